@@ -1,0 +1,40 @@
+"""Tiny randomly initialised targets for tests and examples (built in code: no files, no downloads)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+FAMILIES = ("llama", "qwen2", "mistral")
+
+
+def tiny_config(family: str = "llama", vocab_size: int = 256, hidden_size: int = 64, num_layers: int = 4):
+    """A small HF config of the given family (llama, qwen2, mistral)."""
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=hidden_size * 2,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen2":
+        return Qwen2Config(**common)
+    if family == "mistral":
+        return MistralConfig(**common, sliding_window=None)
+    raise ValueError(f"unknown family {family!r}; choose one of {FAMILIES}")
+
+
+def tiny_model(family: str = "llama", seed: int = 0, **kwargs) -> torch.nn.Module:
+    """A frozen, eval-mode tiny causal LM with random weights (fp32, CPU)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), attn_implementation="eager")
+    model.eval().requires_grad_(False)
+    return model
