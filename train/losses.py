@@ -1,0 +1,211 @@
+"""Training losses for draft heads (pure functions of a head, a batch and the target's lm_head).
+
+A batch is a dict (docs/ARCHITECTURE.md): ``input_ids`` [B,T] long, ``attention_mask`` [B,T] (optional, 1 =
+real token), ``loss_mask`` [B,T], ``aux_hidden`` [B,T,k*h], ``last_hidden`` [B,T,h].
+
+Alignment: at position i the head reads the target feature of x_i and the embedding of x_{i+1} and predicts
+the feature at i+1, i.e. the token x_{i+2}; the label is the target's distribution ``lm_head(last_hidden[i+1])``
+and counts where ``loss_mask[i+2]`` is set (and every token involved is real, not padding). Every loss is a
+mean over those counted positions; metrics come back detached (0-dim tensors), so logging them costs no sync
+until the caller asks for a value. Counts are per call: under data parallelism each rank normalises by its
+own counts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eagle.heads import HeadCache
+
+
+def _shift(x: torch.Tensor, k: int, fill: float | bool | int = 0) -> torch.Tensor:
+    """``out[:, i] = x[:, i + k]`` along dim 1, filled with ``fill`` past the end."""
+    if k == 0:
+        return x
+    pad = x.new_full((x.shape[0], min(k, x.shape[1]), *x.shape[2:]), fill)
+    return torch.cat([x[:, k:], pad], dim=1)
+
+
+def _target_logits(target_lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's logits (fp32, no grad) from its last feature."""
+    weight = getattr(target_lm_head, "weight", None)
+    with torch.no_grad():
+        if weight is not None:
+            hidden = hidden.to(device=weight.device, dtype=weight.dtype)
+        return target_lm_head(hidden).float()
+
+
+def add_feature_noise(features: torch.Tensor, noise_std: float) -> torch.Tensor:
+    """EAGLE's feature augmentation: uniform noise in [-noise_std/2, noise_std/2)."""
+    if noise_std <= 0:
+        return features
+    return features + (torch.rand_like(features) - 0.5) * noise_std
+
+
+def _masks(batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = batch["input_ids"]
+    am = batch.get("attention_mask")
+    am = torch.ones_like(ids, dtype=torch.bool) if am is None else am.to(ids.device).bool()
+    return am, batch["loss_mask"].to(ids.device).bool()
+
+
+def ttt_attention_mask(
+    length: int, step: int, key_valid: torch.Tensor | None = None, device: torch.device | str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention mask and position ids of TTT step ``step`` (docs/ARCHITECTURE.md).
+
+    Keys are laid out as ``[step-0 keys (T), step-1 keys (T), ..., step-``step`` keys (T)]``, as a HeadCache
+    holds them after running steps 0..step one after the other. A query at position i may attend to step-0 keys
+    at positions <= i (and, when ``key_valid`` [B,T] is given, only valid ones) plus the step-1..step keys at
+    position i only: its own chain, as a chain draft rooted at i sees at inference. The query's own step-0 key
+    is always allowed so no row is empty (an empty row would make attention NaN on padding).
+
+    Returns ``(mask bool [B|1, 1, T, (step+1)*T], position_ids long [1, T])`` with position ids i + step.
+    """
+    i = torch.arange(length, device=device)
+    diag = i[None, :] == i[:, None]
+    step0 = (i[None, :] <= i[:, None])[None]
+    if key_valid is not None:
+        step0 = (step0 & key_valid.to(device=step0.device, dtype=torch.bool)[:, None, :]) | diag
+    mask = torch.cat([step0] + [diag[None].expand(step0.shape[0], -1, -1)] * step, dim=-1)
+    return mask[:, None], (i + step)[None]
+
+
+def ttt_forward(
+    head: nn.Module,
+    input_ids: torch.Tensor,
+    hidden: torch.Tensor,
+    steps: int,
+    attention_mask: torch.Tensor | None = None,
+) -> list[torch.Tensor]:
+    """Unrolled test-time-training forward. Step j at position i reads token x_{i+j+1}, the step-(j-1) output
+    at i (step 0: ``hidden``, already projected), position id i+j, and attends per :func:`ttt_attention_mask`.
+    Returns the out_hidden [B,T,h] of every step; positions whose inputs run past the end are garbage that only
+    their own chain sees."""
+    b, t = input_ids.shape
+    am = None if attention_mask is None else attention_mask.to(input_ids.device).bool()
+    # a step-0 key at p is usable when both of its inputs (x_p's feature, x_{p+1}) are real tokens
+    key_valid = None if am is None or bool(am.all()) else am & _shift(am, 1, False)
+    cache = HeadCache()
+    outs = []
+    for j in range(steps):
+        mask, pos = ttt_attention_mask(t, j, key_valid, device=input_ids.device)
+        if j == 0 and key_valid is None:
+            mask = None  # plain causal: lets SDPA pick its fastest kernel
+        hidden = head(_shift(input_ids, j + 1, 0), hidden, pos.expand(b, -1), mask, cache)
+        outs.append(hidden)
+    return outs
+
+
+def eagle3_ttt_loss(
+    head: nn.Module,
+    batch: dict,
+    target_lm_head: nn.Module,
+    ttt_steps: int = 3,
+    step_decay: float = 0.8,
+    noise_std: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """EAGLE-3 training-time-test loss: ``sum_j step_decay**j * CE_j`` over ``ttt_steps`` unrolled steps.
+
+    CE_j at position i is the cross-entropy of the head's draft-vocab distribution against the target's
+    distribution at i+j+1 *restricted to the draft vocabulary and renormalised* (a softmax over the target's
+    logits gathered at the draft ids). We keep every position, also where the target's top token is outside the
+    draft vocabulary: there the head still learns the best draft-vocab approximation. Counted where
+    ``loss_mask[i+j+2]`` is set and tokens i..i+j+2 are real; each step is a mean over its own count.
+
+    Metrics: ``loss``, per step ``loss_j``, ``acc_j`` (head argmax mapped to target ids == the target's argmax over
+    its full vocabulary) and ``count_j``.
+    """
+    ids = batch["input_ids"]
+    am, lm = _masks(batch)
+    t = ids.shape[1]
+    aux = batch["aux_hidden"].to(ids.device)
+    if head.training:
+        aux = add_feature_noise(aux.float(), noise_std)
+    hidden = head.project(aux)
+    target_logits = _target_logits(target_lm_head, batch["last_hidden"]).to(ids.device)
+    target_top = target_logits.argmax(-1)
+    draft_ids = torch.arange(head.d2t.numel(), device=ids.device) + head.d2t.to(ids.device)
+    target_logp = torch.log_softmax(target_logits[..., draft_ids], dim=-1)
+    del target_logits
+
+    outs = ttt_forward(head, ids, hidden, ttt_steps, None if bool(am.all()) else am)
+    valid = am & _shift(am, 1, False) & _shift(am, 2, False)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    metrics: dict[str, torch.Tensor] = {}
+    for j, out in enumerate(outs):
+        n = t - j - 1  # positions i whose label x_{i+j+1} exists
+        mask = (valid & _shift(lm, j + 2, False))[:, : max(n, 0)]
+        count = mask.sum()
+        if n <= 0:
+            loss_j = acc_j = total.new_zeros(())
+        else:
+            logits = head.logits(out[:, :n]).float()
+            p = target_logp[:, j + 1 :].exp()
+            ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
+            loss_j = torch.where(mask, ce, 0.0).sum() / count.clamp(min=1)
+            hit = head.draft_to_target(logits.argmax(-1)) == target_top[:, j + 1 :]
+            acc_j = (hit & mask).sum() / count.clamp(min=1)
+        total = total + step_decay**j * loss_j
+        metrics[f"loss_{j}"] = loss_j.detach()
+        metrics[f"acc_{j}"] = acc_j.detach().float()
+        metrics[f"count_{j}"] = count.detach()
+        valid = valid & _shift(am, j + 3, False)
+    if not outs:  # ttt_steps == 0: keep the graph connected so backward() still works
+        total = total + 0.0 * hidden.sum()
+    metrics["loss"] = total.detach()
+    return total, metrics
+
+
+def eagle1_loss(
+    head: nn.Module,
+    batch: dict,
+    target_lm_head: nn.Module,
+    w_reg: float = 1.0,
+    w_ce: float = 0.1,
+    noise_std: float = 0.0,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """EAGLE-1 loss: ``w_reg * SmoothL1(out_i, last_hidden[i+1]) + w_ce * CE(head logits_i, target dist at i+1)``.
+
+    SmoothL1 is averaged over the hidden dimension (as in EAGLE), then both terms are means over the counted
+    positions (``loss_mask[i+2]`` set, tokens i..i+2 real). Noise, when training, perturbs the input features only.
+    Metrics: ``loss``, ``loss_reg``, ``loss_ce``, ``acc`` (head argmax == target argmax), ``count``.
+    """
+    ids = batch["input_ids"]
+    am, lm = _masks(batch)
+    t = ids.shape[1]
+    last = batch["last_hidden"].to(ids.device)
+    features = add_feature_noise(last.float(), noise_std) if head.training else last
+    key_valid = am & _shift(am, 1, False)
+    mask = None
+    if not bool(am.all()):
+        mask, _ = ttt_attention_mask(t, 0, key_valid, device=ids.device)
+    pos = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], -1)
+    out = head(_shift(ids, 1, 0), head.project(features), pos, mask)
+
+    n = max(t - 2, 0)  # positions i with a label x_{i+2}
+    counted = (am & _shift(am, 1, False) & _shift(am, 2, False) & _shift(lm, 2, False))[:, :n]
+    count = counted.sum()
+    denom = count.clamp(min=1)
+    out = out[:, :n]
+    target_hidden = last[:, 1 : n + 1].to(out.dtype)
+    reg = F.smooth_l1_loss(out.float(), target_hidden.float(), reduction="none").mean(-1)
+    target_logits = _target_logits(target_lm_head, target_hidden).to(ids.device)
+    logits = head.logits(out).float()
+    ce = -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+    loss_reg = torch.where(counted, reg, 0.0).sum() / denom
+    loss_ce = torch.where(counted, ce, 0.0).sum() / denom
+    loss = w_reg * loss_reg + w_ce * loss_ce
+    if n == 0:  # nothing to learn from: keep the graph connected
+        loss = loss + 0.0 * out.sum()
+    acc = ((logits.argmax(-1) == target_logits.argmax(-1)) & counted).sum() / denom
+    metrics = {
+        "loss": loss.detach(),
+        "loss_reg": loss_reg.detach(),
+        "loss_ce": loss_ce.detach(),
+        "acc": acc.detach().float(),
+        "count": count.detach(),
+    }
+    return loss, metrics
