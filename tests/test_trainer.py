@@ -1,0 +1,446 @@
+"""The trainer on a tiny "bigram" target (see tests/_train_worker.py): learning, offline vs online, exact
+kill-and-resume, checkpoint pruning, the draft vocabulary on resume, bad inputs and the report_to backends."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _train_worker as W
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eagle.errors import EagleError
+from train import checkpoint as ck
+from train.batching import collate, plan_epoch, plan_eval, rank_slice
+from train.logging import read_metrics
+from train.trainer import HeadSpec, TrainConfig, train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls: one thread is fastest, and it keeps runs bit-identical across processes."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return W.bigram_target()
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory, target):
+    """Prepared random sequences + their float32 features."""
+    root = tmp_path_factory.mktemp("data")
+    prepared = W.make_prepared(root / "prepared", n_train=96, n_val=16, length=32)
+    features = W.collect_features(prepared, root / "features", target)
+    return prepared, features
+
+
+def cfg(out: Path, **kw) -> TrainConfig:
+    base = dict(
+        output_dir=str(out),
+        epochs=100,
+        batch_size=8,
+        lr=3e-3,
+        warmup_steps=5,
+        log_every=1,
+        eval_every=0,
+        save_every=1000,
+        progress=False,
+    )
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {e["step"]: e["loss"] for e in read_metrics(out / "metrics.jsonl") if e["event"] == "train"}
+
+
+def test_offline_training_learns_the_target(tmp_path, data, target):
+    prepared, features = data
+    out = tmp_path / "run"
+    result = train(
+        target=target,
+        features_dir=features,
+        head=HeadSpec(draft_vocab_size=256),
+        cfg=cfg(out, max_steps=150, eval_every=50, save_every=50, keep_last=2, log_every=10),
+    )
+    # chance is 1/256 and the most common target token covers <5% of positions; the head gets ~93%
+    assert result.global_step == 150
+    assert result.eval_metrics["val_acc"] > 0.8, result.eval_metrics
+    assert min(result.eval_metrics[f"val_acc_{j}"] for j in range(3)) > 0.7
+    events = read_metrics(out / "metrics.jsonl")
+    evals = [e for e in events if e["event"] == "eval"]
+    assert [e["step"] for e in evals] == [50, 100, 150]
+    assert evals[0]["val_loss"] > evals[-1]["val_loss"]
+    trains = [e for e in events if e["event"] == "train"]
+    assert [e["step"] for e in trains] == list(range(10, 151, 10))
+    assert all(e["tokens_per_s"] > 0 and e["lr"] > 0 for e in trains)
+    assert trains[-1]["tokens"] == 150 * 8 * 32
+    assert (out / "training_curves.png").stat().st_size > 1000
+
+    # keep_last=2: only the two newest checkpoints survive, and latest points at the newest
+    root = out / "checkpoints"
+    assert sorted(p.name for p in root.iterdir() if p.is_dir()) == ["step-0000100", "step-0000150"]
+    assert (root / "latest").read_text().strip() == "step-0000150"
+    last = root / "step-0000150"
+    state = json.loads((last / "trainer_state.json").read_text())
+    assert state["global_step"] == 150 and state["tokens_seen"] == 150 * 8 * 32
+    # optimizer / scheduler / RNG states load with weights_only=True
+    optim = torch.load(last / "optimizer.pt", weights_only=True)
+    assert optim["state"] and torch.load(last / "scheduler.pt", weights_only=True)["last_epoch"] == 150
+    ck.set_rng_state(torch.load(last / "rng" / "rank-00000.pt", weights_only=True))
+
+    # final/ = the last weights + config, ready for export
+    final = load_file(str(out / "final" / "model.safetensors"))
+    for key, value in load_file(str(last / "model.safetensors")).items():
+        assert torch.equal(final[key], value)
+    assert {"fc.weight", "lm_head.weight", "d2t", "t2d"} <= set(final)
+    assert not any(k.startswith("embed") for k in final)  # the target's embedding is never saved
+    head_cfg = json.loads((out / "final" / "head_config.json").read_text())
+    assert head_cfg["target_fingerprint"] == target.fingerprint and head_cfg["kind"] == "eagle3"
+    assert (out / "final" / "draft_vocab.safetensors").is_file()
+
+
+def test_online_mode_matches_offline(tmp_path, data, target):
+    """Online features are computed in the step; with fp32 shards both modes train on the same numbers."""
+    prepared, features = data
+    kw = dict(max_steps=8, ttt_steps=2, eval_every=4)
+    train(
+        target=target,
+        features_dir=features,
+        head=HeadSpec(draft_vocab_size=128),
+        cfg=cfg(tmp_path / "off", **kw),
+    )
+    train(
+        target=target,
+        data_dir=prepared,
+        head=HeadSpec(draft_vocab_size=128),
+        cfg=cfg(tmp_path / "on", mode="online", **kw),
+    )
+    off, on = losses(tmp_path / "off"), losses(tmp_path / "on")
+    assert sorted(on) == list(range(1, 9))
+    for step in off:
+        assert on[step] == pytest.approx(off[step], rel=1e-4, abs=1e-4)
+    assert torch.equal(
+        load_file(str(tmp_path / "off" / "final" / "model.safetensors"))["d2t"],
+        load_file(str(tmp_path / "on" / "final" / "model.safetensors"))["d2t"],
+    )
+
+
+def _worker(args: dict, path: Path) -> subprocess.Popen:
+    path.write_text(json.dumps(args))
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    }
+    return subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "_train_worker.py"), str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+
+
+def test_kill_and_resume_continues_the_same_curve(tmp_path, data, target):
+    prepared, features = data
+    kw = dict(
+        max_steps=20, save_every=6, eval_every=6, noise_std=0.2, deterministic=True, seed=3, batch_size=4
+    )
+
+    reference = tmp_path / "reference"
+    train(target=target, features_dir=features, head=HeadSpec(draft_vocab_size=256), cfg=cfg(reference, **kw))
+
+    out = tmp_path / "killed"
+    args = {
+        "features_dir": str(features),
+        "head": {"draft_vocab_size": 256},
+        "train": {**cfg(out, **kw).__dict__},
+        "hang_after_step": 12,
+    }
+    proc = _worker(args, tmp_path / "args.json")
+    deadline = time.monotonic() + 120
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("CHECKPOINT 12") or time.monotonic() > deadline:
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    proc.stdout.close()
+    assert any(line.startswith("CHECKPOINT 12") for line in lines), "".join(lines[-20:])
+    assert ck.find_latest(out / "checkpoints").name == "step-0000012"
+
+    # what a crash can leave behind: a half-written checkpoint, a torn directory, events past the checkpoint
+    (out / "checkpoints" / ".tmp-step-0000018").mkdir()
+    torn = out / "checkpoints" / "step-0000016"
+    torn.mkdir()
+    (torn / "model.safetensors").write_bytes(b"junk")
+    with open(out / "metrics.jsonl", "a") as fh:
+        fh.write(json.dumps({"event": "train", "step": 13, "loss": 123.0}) + "\n")
+
+    result = train(
+        target=target, features_dir=features, head=HeadSpec(draft_vocab_size=256), cfg=cfg(out, **kw)
+    )
+    assert result.resumed_from.name == "step-0000012" and result.global_step == 20
+    ref, got = losses(reference), losses(out)
+    assert sorted(got) == list(range(1, 21))
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=1e-6), step
+    ref_eval = [e for e in read_metrics(reference / "metrics.jsonl") if e["event"] == "eval"]
+    got_eval = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] == "eval"]
+    assert [e["step"] for e in got_eval] == [e["step"] for e in ref_eval] == [6, 12, 18, 20]
+    assert got_eval[-1]["val_loss"] == pytest.approx(ref_eval[-1]["val_loss"], abs=1e-6)
+    a = load_file(str(reference / "final" / "model.safetensors"))
+    b = load_file(str(out / "final" / "model.safetensors"))
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    assert not (out / "checkpoints" / ".tmp-step-0000018").exists()
+
+
+def test_draft_vocab_is_saved_and_not_rebuilt_on_resume(tmp_path, target):
+    uniform = W.make_prepared(tmp_path / "d1", n_train=32, n_val=0, length=24, seed=1)
+    skewed = tmp_path / "d2"
+    from datasets import Dataset
+
+    gen = torch.Generator().manual_seed(2)
+    ids = [torch.randint(200, 256, (24,), generator=gen).tolist() for _ in range(32)]
+    Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * 24] * 32}).save_to_disk(str(skewed / "train"))
+
+    head = HeadSpec(draft_vocab_size=64)
+    out = tmp_path / "run"
+    train(target=target, data_dir=uniform, head=head, cfg=cfg(out, mode="online", max_steps=2, save_every=2))
+    saved = load_file(str(out / "draft_vocab.safetensors"))
+    with pytest.warns(UserWarning, match="training data changed"):
+        train(
+            target=target, data_dir=skewed, head=head, cfg=cfg(out, mode="online", max_steps=4, save_every=2)
+        )
+    final = load_file(str(out / "final" / "model.safetensors"))
+    assert torch.equal(final["d2t"], saved["d2t"]) and torch.equal(final["t2d"], saved["t2d"])
+    assert torch.equal(
+        load_file(str(out / "checkpoints" / "step-0000004" / "draft_vocab.safetensors"))["d2t"], saved["d2t"]
+    )
+    # a fresh run on the skewed data does build another vocabulary (so the check above can fail)
+    fresh = tmp_path / "fresh"
+    train(target=target, data_dir=skewed, head=head, cfg=cfg(fresh, mode="online", max_steps=2))
+    assert not torch.equal(load_file(str(fresh / "draft_vocab.safetensors"))["d2t"], saved["d2t"])
+    assert load_file(str(fresh / "draft_vocab.safetensors"))["t2d"][200:].all()
+
+
+def test_resume_with_another_targets_checkpoint_fails(tmp_path, data, target):
+    prepared, _ = data
+    out = tmp_path / "run"
+    train(
+        target=target,
+        data_dir=prepared,
+        head=HeadSpec(draft_vocab_size=64),
+        cfg=cfg(out, mode="online", max_steps=2),
+    )
+    with pytest.raises(EagleError, match="fingerprint"):
+        train(
+            target=W.bigram_target(seed=1),
+            data_dir=prepared,
+            head=HeadSpec(draft_vocab_size=64),
+            cfg=cfg(out, mode="online", max_steps=4),
+        )
+
+
+def test_bad_inputs(tmp_path, data, target):
+    prepared, features = data
+    with pytest.raises(EagleError, match="draft_vocab_size"):
+        train(
+            target=target,
+            features_dir=features,
+            head=HeadSpec(draft_vocab_size=1000),
+            cfg=cfg(tmp_path / "a"),
+        )
+    from datasets import Dataset
+
+    empty = tmp_path / "empty"
+    Dataset.from_dict({"input_ids": [[], []], "loss_mask": [[], []]}).save_to_disk(str(empty / "train"))
+    with pytest.raises(EagleError, match="empty"):
+        train(target=target, data_dir=empty, cfg=cfg(tmp_path / "b", mode="online"))
+    with pytest.raises(EagleError, match="too small"):
+        train(
+            target=target,
+            data_dir=prepared,
+            head=HeadSpec(draft_vocab_size=64),
+            cfg=cfg(tmp_path / "c", mode="online", batch_size=200),
+        )
+    with pytest.raises(EagleError, match="collect"):
+        train(target=target, features_dir=tmp_path / "nothing", cfg=cfg(tmp_path / "d"))
+    with pytest.raises(EagleError, match="report_to"):
+        cfg(tmp_path / "e", report_to=["mlflow"]).validate()
+
+
+def test_nonfinite_losses_skip_or_stop(tmp_path, data, target, monkeypatch):
+    from train import trainer
+
+    prepared, features = data
+    real_forward = trainer.HeadWithLoss.forward
+    calls = {"n": 0}
+
+    def flaky(self, batch):
+        loss, metrics = real_forward(self, batch)
+        calls["n"] += 1
+        return (loss * float("nan"), metrics) if calls["n"] == 3 and self.training else (loss, metrics)
+
+    monkeypatch.setattr(trainer.HeadWithLoss, "forward", flaky)
+    out = tmp_path / "skip"
+    train(target=target, features_dir=features, head=HeadSpec(draft_vocab_size=64), cfg=cfg(out, max_steps=5))
+    events = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] == "train"]
+    assert events[-1]["skipped"] == 1 and all(math.isfinite(e["loss"]) for e in events if "loss" in e)
+    assert sum("loss" not in e for e in events) == 1  # the skipped step has no loss to report
+    assert all(
+        torch.isfinite(v.float()).all() for v in load_file(str(out / "final" / "model.safetensors")).values()
+    )
+    calls["n"] = 0
+    with pytest.raises(EagleError, match="not finite at step 3"):
+        train(
+            target=target,
+            features_dir=features,
+            head=HeadSpec(draft_vocab_size=64),
+            cfg=cfg(tmp_path / "stop", max_steps=5, on_nonfinite="stop"),
+        )
+
+
+def test_command_line_reports_user_errors(tmp_path, capsys):
+    from train.trainer import main
+
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "missing.yaml" in capsys.readouterr().err
+
+
+def test_eagle1_head_trains(tmp_path, data, target):
+    _, features = data
+    out = tmp_path / "e1"
+    result = train(
+        target=target,
+        features_dir=features,
+        head=HeadSpec(kind="eagle1"),
+        cfg=cfg(out, max_steps=30, lr=1e-2, eval_every=30),
+    )
+    first, last = losses(out)[1], losses(out)[30]
+    assert last < first and "val_loss_reg" in result.eval_metrics
+    assert json.loads((out / "final" / "head_config.json").read_text())["kind"] == "eagle1"
+    assert "d2t" not in load_file(str(out / "final" / "model.safetensors"))
+
+
+def test_report_to_tensorboard_and_wandb_offline(tmp_path, data, target, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _, features = data
+    out = tmp_path / "run"
+    train(
+        target=target,
+        features_dir=features,
+        head=HeadSpec(draft_vocab_size=64),
+        cfg=cfg(out, max_steps=3, eval_every=3, report_to=["tensorboard", "wandb"]),
+    )
+    events = list((out / "tb").glob("events.out.tfevents.*"))
+    assert events and events[0].stat().st_size > 100
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    assert "train/loss" in acc.Tags()["scalars"] and "eval/val_acc" in acc.Tags()["scalars"]
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert runs and any(runs[0].rglob("*.wandb"))
+
+
+# ------------------------------------------------------------------------------------------- pieces
+
+
+def test_plans_are_deterministic_dense_and_split_by_rank():
+    lengths = [int(x) for x in torch.randint(1, 200, (500,), generator=torch.Generator().manual_seed(0))] + [
+        0
+    ]
+    a = plan_epoch(lengths, world=2, seed=1, epoch=0, batch_size=4)
+    assert a == plan_epoch(lengths, world=2, seed=1, epoch=0, batch_size=4)
+    assert a != plan_epoch(lengths, world=2, seed=1, epoch=1, batch_size=4)
+    flat = [i for b in a for i in b]
+    assert len(flat) == len(set(flat)) and 500 not in flat and all(len(b) == 8 for b in a)
+    assert len(flat) == 496  # 500 sequences, global batch 8: the 4-sequence tail is dropped
+    # bucketing: padding is small compared with random batches
+    pad = sum(len(b) * max(lengths[i] for i in b) - sum(lengths[i] for i in b) for b in a)
+    assert pad < 0.1 * sum(lengths)
+    # one process with batch 8 sees the same global batches as two with batch 4
+    assert plan_epoch(lengths, world=1, seed=1, epoch=0, batch_size=8) == a
+    for gb in a:
+        assert rank_slice(gb, 0, 2) + rank_slice(gb, 1, 2) == gb
+    tok = plan_epoch(lengths, world=2, seed=1, epoch=0, batch_tokens=400)
+    assert all(len(b) % 2 == 0 and len(b) // 2 * max(lengths[i] for i in b) <= 400 for b in tok if len(b) > 2)
+    ev = plan_eval(lengths, world=3, batch_size=2)
+    assert sorted(i for b in ev for i in b) == list(range(500))
+
+
+def test_collate_pads_right():
+    items = [
+        {
+            "input_ids": torch.tensor([5, 6, 7]),
+            "loss_mask": torch.tensor([0, 1, 1]),
+            "aux_hidden": torch.ones(3, 4),
+        },
+        {"input_ids": torch.tensor([8]), "loss_mask": torch.tensor([1]), "aux_hidden": torch.ones(1, 4)},
+    ]
+    batch = collate(items)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["loss_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert batch["aux_hidden"][1, 1:].abs().sum() == 0
+
+
+def test_find_latest_ignores_stale_pointers_and_partial_dirs(tmp_path):
+    def fake(step: int, complete: bool = True) -> Path:
+        d = tmp_path / ck.step_dir_name(step)
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"x")
+        (d / "optimizer.pt").write_bytes(b"x")
+        if complete:
+            (d / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+        return d
+
+    assert ck.find_latest(tmp_path) is None
+    fake(5)
+    fake(10)
+    fake(15, complete=False)
+    (tmp_path / "latest").write_text("step-0000099\n")  # points at nothing
+    assert ck.find_latest(tmp_path).name == "step-0000010"
+    (tmp_path / "latest").write_text("step-0000005\n")  # stale: a newer complete one exists
+    assert ck.find_latest(tmp_path).name == "step-0000010"
+    assert [p.name for p in ck.prune(tmp_path, keep_last=1)] == ["step-0000005"]
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step-0000010"]
+
+
+def test_rng_state_round_trip_through_weights_only(tmp_path):
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    ck.save_pt(ck.rng_state(), tmp_path / "rng.pt")
+    expected = (torch.rand(3), random.random(), np.random.rand())
+    ck.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert torch.equal(torch.rand(3), expected[0])
+    assert random.random() == expected[1] and np.random.rand() == expected[2]
