@@ -1,0 +1,219 @@
+#!/usr/bin/env python
+"""Benchmark a trained draft head on the public development set (dev-chat + dev-code).
+
+Runs ``eagle eval`` at temperature 0 (and, with ``--temperature X``, a second sampled run), writes each result
+to ``benchmarks/<name>.json`` and regenerates the results table in ``benchmarks/README.md`` from ALL
+``benchmarks/*.json``. Plots land beside the full evaluation reports under ``runs/benchmarks/<name>/``.
+
+    python scripts/benchmark.py --draft runs/demo/export
+    python scripts/benchmark.py --draft runs/demo/export --device cuda --dtype bfloat16 --temperature 0.7
+    python scripts/benchmark.py --table-only          # only rebuild benchmarks/README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = ROOT / "benchmarks"
+START, END = "<!-- results:start -->", "<!-- results:end -->"
+README_HEAD = f"""# Benchmarks
+
+Speculative decoding with trained draft heads on the public development set: `dev-chat` (40 chitchat
+conversations, first user turn) and `dev-code` (HumanEval problems 40-79), see `benchmarks/data/`.
+tau = tokens per target verification forward (accepted drafts + 1); speedup = tokens/s of speculative
+decoding over plain decoding of the same target in the same run; PLD = transformers' prompt-lookup decoding;
+greedy match = prompts whose speculative output equals plain greedy decoding token for token (temperature 0).
+PLD always decodes greedily, so at T > 0 its speedup compares greedy lookup decoding with plain sampling.
+
+Regenerate with `python scripts/benchmark.py --draft DIR` (one new result) or `--table-only`.
+
+{START}
+{END}
+"""
+
+
+def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
+    return "-" if value is None else f"{value:{spec}}{suffix}"
+
+
+def _tree_text(tree: dict[str, Any]) -> str:
+    if tree.get("policy") == "chain":
+        return f"chain d{tree['depth']}"
+    if tree.get("policy") == "static":
+        return f"static {tree.get('tree_tokens')} nodes"
+    auto = " (auto)" if tree.get("total_tokens_requested") == "auto" else ""
+    return f"dynamic d{tree['depth']} k{tree['top_k']} n{tree['total_tokens']}{auto}"
+
+
+def table_row(name: str, report: dict[str, Any]) -> str:
+    """One markdown table row for a benchmark result."""
+    sets = report.get("prompt_sets", {})
+    overall = report.get("overall", {})
+    match = overall.get("greedy_match_rate")
+    device = report.get("device_name") or report.get("device", "?")
+    cells = [
+        str(report.get("date", "?"))[:10],
+        name,
+        f"`{report.get('head', '?')}`",
+        str(report.get("target", "?")),
+        f"{device} {report.get('dtype', '')}".strip(),
+        _tree_text(report.get("tree", {})),
+        _fmt(report.get("settings", {}).get("temperature"), "g"),
+        _fmt(sets.get("dev-chat", {}).get("acceptance_length_mean")),
+        _fmt(sets.get("dev-code", {}).get("acceptance_length_mean")),
+        _fmt(overall.get("speedup"), ".2f", "x"),
+        _fmt(overall.get("prompt_lookup_speedup"), ".2f", "x"),
+        _fmt(None if match is None else 100 * match, ".0f", "%"),
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+def render_table(bench_dir: Path) -> str:
+    """The markdown results table built from every ``*.json`` in ``bench_dir`` (oldest first)."""
+    rows = []
+    for path in sorted(bench_dir.glob("*.json")):
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            print(f"skipping {path}: {exc}", file=sys.stderr)
+            continue
+        if not isinstance(report, dict) or "overall" not in report:
+            continue
+        rows.append((str(report.get("date", "")), path.stem, table_row(path.stem, report)))
+    header = (
+        "| date | name | head | target | device | tree | T | tau chat | tau code | speedup | PLD speedup "
+        "| greedy match |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    return "\n".join([header] + [r for _, _, r in sorted(rows)])
+
+
+def update_readme(bench_dir: Path) -> Path:
+    """Rewrite the part of ``bench_dir/README.md`` between the result markers (creating the file if needed)."""
+    readme = bench_dir / "README.md"
+    text = readme.read_text(encoding="utf-8") if readme.is_file() else README_HEAD
+    if START not in text or END not in text:
+        text = text.rstrip("\n") + f"\n\n## Results\n\n{START}\n{END}\n"
+    before, rest = text.split(START, 1)
+    after = rest.split(END, 1)[1]
+    readme.write_text(f"{before}{START}\n{render_table(bench_dir)}\n{END}{after}", encoding="utf-8")
+    return readme
+
+
+def _commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-").lower()
+
+
+def _budget(text: str) -> int | str:
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 2 or 'auto', got {text!r}") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Command-line options of the benchmark script."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--draft", default="runs/demo/export", help="exported draft directory (default: %(default)s)"
+    )
+    p.add_argument(
+        "--target", default=None, help="target model (default: the embedded SmolLM2-135M-Instruct)"
+    )
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (default: %(default)s)")
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16, float16 (default: %(default)s)")
+    p.add_argument("--max-prompts", type=int, default=None, help="per prompt set (default: all 40)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument(
+        "--temperature", type=float, default=None, help="also run sampled decoding at this temperature"
+    )
+    p.add_argument("--policy", default="dynamic", choices=["chain", "dynamic"])
+    p.add_argument("--depth", type=int, default=5)
+    p.add_argument("--top-k", type=int, default=4)
+    p.add_argument(
+        "--total-tokens", default="auto", type=_budget, help="dynamic tree node budget or 'auto' (default)"
+    )
+    p.add_argument("--no-prompt-lookup", action="store_true", help="skip the prompt-lookup comparison")
+    p.add_argument("--name", default=None, help="result name (default: <date>-<target>-<device>)")
+    p.add_argument("--out-dir", default=str(BENCH_DIR), help="where result JSONs and README.md live")
+    p.add_argument("--table-only", action="store_true", help="only regenerate README.md from the JSONs")
+    return p
+
+
+def run(args: argparse.Namespace) -> list[Path]:
+    """Evaluate, write the result JSON(s), regenerate the table; returns the JSON paths written."""
+    from eagle.evaluate import EvalConfig, evaluate, write_json_atomic
+    from eagle.targets import EMBEDDED_TARGET, TargetConfig, load_target
+    from eagle.tree import TreeConfig
+
+    tree = TreeConfig(policy=args.policy, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
+    target = load_target(
+        TargetConfig(name=args.target or EMBEDDED_TARGET, dtype=args.dtype, device=args.device)
+    )
+    date = datetime.date.today().isoformat()
+    name = _slug(args.name or f"{date}-{target.name.split('/')[-1]}-{args.device}")
+    out_dir = Path(args.out_dir)
+    runs = [(name, 0.0)]
+    if args.temperature:
+        runs.append((f"{name}-t{args.temperature:g}", args.temperature))
+    written = []
+    for run_name, temperature in runs:
+        cfg = EvalConfig(
+            draft=args.draft,
+            prompts=["dev-chat", "dev-code"],
+            max_prompts=args.max_prompts,
+            max_new_tokens=args.max_new_tokens,
+            temperature=temperature,
+            tree=tree,
+            prompt_lookup=not args.no_prompt_lookup,
+            report=str(ROOT / "runs" / "benchmarks" / run_name / "report.json"),
+        )
+        report = evaluate(cfg, target)
+        # the sampled run reuses the size the greedy run tuned, so that both rows describe one tree
+        tree = replace(tree, total_tokens=report["tree"]["total_tokens"])
+        report["benchmark"] = {"name": run_name, "commit": _commit(), "argv": sys.argv[1:]}
+        written.append(write_json_atomic(report, out_dir / f"{run_name}.json"))
+    update_readme(out_dir)
+    return written
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: user errors print one line and exit 2."""
+    from eagle.errors import EagleError
+
+    args = build_parser().parse_args(argv)
+    try:
+        if args.table_only:
+            print(f"updated {update_readme(Path(args.out_dir))}")
+            return 0
+        for path in run(args):
+            print(f"wrote {path}")
+        print(f"updated {Path(args.out_dir) / 'README.md'}")
+    except EagleError as exc:
+        print(f"benchmark: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,267 @@
+"""``eagle eval`` on a tiny random target: report fields and values, plots, oracle tau, failure modes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from eagle.drafter import OracleDrafter
+from eagle.errors import EagleError
+from eagle.evaluate import EvalConfig, evaluate, summarize
+from eagle.export import export_head
+from eagle.heads import HeadConfig, build_head
+from eagle.speculate import GenerationResult
+from eagle.targets import Target, load_tokenizer
+from eagle.testing import tiny_model
+from eagle.tree import TreeConfig
+
+VOCAB = 49152  # the SmolLM2 tokenizer's, so its ids are valid for the tiny model
+REQUIRED = {
+    "acceptance_length_mean": float,
+    "acceptance_length_median": float,
+    "new_tokens": int,
+    "target_forwards": int,
+    "tokens_per_second": float,
+    "baseline_tokens_per_second": float,
+    "speedup": float,
+    "greedy_match_rate": float,
+    "num_prompts": int,
+    "per_depth_acceptance": list,
+    "prompt_lookup_tokens_per_second": float,
+    "prompt_lookup_speedup": float,
+}
+PROMPTS = [
+    {"id": "a", "prompt": "The quick brown fox jumps over the lazy dog. The quick brown fox"},
+    {"id": "b", "prompt": "def add(a, b):\n    return a + b\n\ndef sub(a, b):"},
+    {"id": "c", "messages": [{"role": "user", "content": "Say hello twice."}]},
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared 2-core machine the spinning costs 3x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("smollm2-135m-instruct")
+
+
+def _target(tokenizer, seed: int = 0, name: str = "tiny-a") -> Target:
+    model = tiny_model("llama", seed=seed, vocab_size=VOCAB, hidden_size=32, num_layers=4)
+    return Target.from_model(model, tokenizer, name=name)
+
+
+@pytest.fixture(scope="module")
+def target(tokenizer) -> Target:
+    return _target(tokenizer)
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory, target):
+    cfg = HeadConfig.from_target(
+        target.config, "eagle3", target_name=target.name, target_fingerprint=target.fingerprint
+    )
+    head = build_head(cfg).attach_target(target.model).eval()
+    return export_head(head, tmp_path_factory.mktemp("export") / "draft", dtype="float32", target=target)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "mini.jsonl"
+    path.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return path
+
+
+def _cfg(tmp_path, draft_dir, prompts_file, **kw) -> EvalConfig:
+    base = dict(
+        draft=str(draft_dir),
+        prompts=[str(prompts_file)],
+        max_new_tokens=12,
+        tree=TreeConfig(policy="chain", depth=3),
+        report=str(tmp_path / "eval" / "report.json"),
+        warmup=0,
+    )
+    base.update(kw)
+    return EvalConfig(**base)
+
+
+def _quiet() -> Console:
+    return Console(file=open("/dev/null", "w"), width=160)  # noqa: SIM115
+
+
+def test_report_fields_values_and_plots(tmp_path, target, draft_dir, prompts_file):
+    cfg = _cfg(tmp_path, draft_dir, prompts_file)
+    console = Console(record=True, width=200, file=open("/dev/null", "w"))  # noqa: SIM115
+    report = evaluate(cfg, target, console=console)
+    on_disk = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert on_disk == json.loads(json.dumps(report))
+    assert set(on_disk["prompt_sets"]) == {"mini"}
+    for section in (on_disk["prompt_sets"]["mini"], on_disk["overall"]):
+        for key, tp in REQUIRED.items():
+            assert isinstance(section[key], tp), (key, section[key])
+        assert section["num_prompts"] == 3
+        assert section["greedy_match_rate"] == 1.0
+        assert section["prompt_lookup_match_rate"] == 1.0
+        assert section["acceptance_length_mean"] >= 1.0
+        assert section["speedup"] > 0 and section["prompt_lookup_speedup"] > 0
+        assert 3 <= section["new_tokens"] <= 3 * 12
+        rates = section["per_depth_acceptance"]
+        assert len(rates) == 3 and all(0.0 <= r <= 1.0 for r in rates)
+        assert all(a >= b for a, b in zip(rates, rates[1:]))  # a chain accepts depth d only after d - 1
+        hist = section["accept_length_histogram"]
+        assert sum(hist) == section["target_forwards"]
+        tau = sum((i + 1) * n for i, n in enumerate(hist)) / sum(hist)
+        assert tau == pytest.approx(section["acceptance_length_mean"])
+    assert on_disk["tree"]["policy"] == "chain" and on_disk["tree"]["depth"] == 3
+    for key in ("target", "head", "device", "dtype", "torch_version", "transformers_version", "date"):
+        assert on_disk[key], key
+    assert on_disk["target"] == "tiny-a" and on_disk["head"] == str(draft_dir)
+    assert len(on_disk["prompts"]) == 3 and all(p["first_mismatch"] is None for p in on_disk["prompts"])
+    for name in ("accept_hist.png", "accept_by_depth.png"):
+        png = tmp_path / "eval" / name
+        assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = console.export_text()
+    assert "greedy" in text and "overall" in text and "100%" in text and "mini" in text
+
+
+def test_oracle_drafter_accepts_whole_chains(tmp_path, target, draft_dir, prompts_file):
+    depth = 3
+    cfg = _cfg(
+        tmp_path, draft_dir, prompts_file, tree=TreeConfig(policy="chain", depth=depth), prompt_lookup=False
+    )
+    report = evaluate(cfg, target, drafter=OracleDrafter(target.model), console=_quiet())
+    overall = report["overall"]
+    assert overall["acceptance_length_mean"] == depth + 1
+    assert overall["acceptance_length_median"] == depth + 1
+    assert overall["per_depth_acceptance"] == [1.0] * depth
+    assert overall["greedy_match_rate"] == 1.0
+    assert overall["prompt_lookup_tokens_per_second"] is None
+    # every prompt ran to max_new_tokens or EOS in ceil(n - 1 / (depth + 1)) verification forwards
+    for p in report["prompts"]:
+        assert p["target_forwards"] == -(-(p["new_tokens"] - 1) // (depth + 1))
+
+
+def test_auto_tree_size_reports_autotune(tmp_path, target, draft_dir, prompts_file):
+    tree = TreeConfig(policy="dynamic", depth=2, top_k=2, total_tokens="auto")
+    cfg = _cfg(
+        tmp_path,
+        draft_dir,
+        prompts_file,
+        tree=tree,
+        max_new_tokens=6,
+        autotune_candidates=[2, 4, 6],
+        baseline=True,
+        prompt_lookup=False,
+        max_prompts=2,
+    )
+    report = evaluate(cfg, target, console=_quiet())
+    t = report["tree"]
+    assert t["total_tokens_requested"] == "auto"
+    assert t["total_tokens"] in (2, 4, 6) and t["total_tokens"] == t["autotune"]["chosen"]
+    assert [r["total_tokens"] for r in t["autotune"]["table"]] == [2, 4, 6]
+    assert report["overall"]["num_prompts"] == 2
+    assert report["overall"]["greedy_match_rate"] == 1.0
+
+
+def test_sampling_run_has_no_greedy_match(tmp_path, target, draft_dir, prompts_file):
+    cfg = _cfg(
+        tmp_path, draft_dir, prompts_file, temperature=0.8, top_k=20, max_prompts=1, prompt_lookup=False
+    )
+    report = evaluate(cfg, target, console=_quiet())
+    assert report["overall"]["greedy_match_rate"] is None
+    assert report["overall"]["speedup"] > 0
+    assert report["settings"]["temperature"] == 0.8
+
+
+def test_head_for_another_target_fails_before_any_work(tmp_path, tokenizer, draft_dir, prompts_file):
+    other = _target(tokenizer, seed=1, name="tiny-b")
+    cfg = _cfg(tmp_path, draft_dir, prompts_file)
+    with pytest.raises(EagleError, match="trained for target tiny-a"):
+        evaluate(cfg, other, console=_quiet())
+    assert not (tmp_path / "eval").exists()
+
+
+def test_missing_inputs_are_clear_errors(tmp_path, target, draft_dir, prompts_file):
+    with pytest.raises(EagleError, match="does not exist"):
+        evaluate(_cfg(tmp_path, draft_dir, tmp_path / "nope.jsonl"), target, console=_quiet())
+    with pytest.raises(EagleError, match="eagle export"):
+        evaluate(_cfg(tmp_path, tmp_path / "no-draft", prompts_file), target, console=_quiet())
+    with pytest.raises(EagleError, match="max_position_embeddings"):
+        evaluate(_cfg(tmp_path, draft_dir, prompts_file, max_new_tokens=4090), target, console=_quiet())
+    with pytest.raises(EagleError, match="temperature"):
+        _cfg(tmp_path, draft_dir, prompts_file, temperature=-1.0).validate()
+    with pytest.raises(EagleError, match="tree depth"):
+        _cfg(tmp_path, draft_dir, prompts_file, tree=TreeConfig(policy="chain", depth=0)).validate()
+    assert not (tmp_path / "eval").exists()
+
+
+def test_summarize_definitions():
+    """Pooled tau over steps, median over prompts, per-depth rates over verification steps."""
+    a = GenerationResult(
+        tokens=[1] * 7, accept_lengths=[3, 3], target_forwards=2, accepted_per_depth=[2, 2, 0], total_time=1.0
+    )
+    b = GenerationResult(
+        tokens=[1] * 3, accept_lengths=[1, 1], target_forwards=2, accepted_per_depth=[0, 0, 0], total_time=1.0
+    )
+    from eagle.evaluate import PromptRun
+
+    s = summarize([PromptRun("x", "a", 5, a), PromptRun("x", "b", 5, b)], temperature=0.0)
+    assert s["acceptance_length_mean"] == 2.0
+    assert s["acceptance_length_median"] == 2.0
+    assert s["per_depth_acceptance"] == [0.5, 0.5, 0.0]
+    assert s["accept_length_histogram"] == [2, 0, 2, 0]
+    assert s["tokens_per_second"] == 5.0 and s["speedup"] is None and s["greedy_match_rate"] is None
+
+
+def test_benchmark_table_is_rebuilt_from_all_results(tmp_path):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
+    spec = importlib.util.spec_from_file_location("benchmark_script", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def result(date, tau_chat, speedup):
+        return {
+            "date": date,
+            "head": "runs/demo/export",
+            "target": "smollm2-135m-instruct",
+            "device": "cpu",
+            "device_name": "cpu",
+            "dtype": "float32",
+            "settings": {"temperature": 0.0},
+            "tree": {
+                "policy": "dynamic",
+                "depth": 5,
+                "top_k": 4,
+                "total_tokens": 8,
+                "total_tokens_requested": "auto",
+            },
+            "prompt_sets": {
+                "dev-chat": {"acceptance_length_mean": tau_chat},
+                "dev-code": {"acceptance_length_mean": 1.5},
+            },
+            "overall": {"speedup": speedup, "prompt_lookup_speedup": 1.1, "greedy_match_rate": 1.0},
+        }
+
+    (tmp_path / "b.json").write_text(json.dumps(result("2026-12-02T10:00:00+00:00", 2.5, 1.8)))
+    (tmp_path / "a.json").write_text(json.dumps(result("2026-12-01T10:00:00+00:00", 2.0, 1.3)))
+    (tmp_path / "README.md").write_text("# Benchmarks\n\nintro kept\n")
+    readme = bench.update_readme(tmp_path).read_text()
+    assert readme.startswith("# Benchmarks\n\nintro kept\n")
+    lines = [line for line in readme.splitlines() if line.startswith("| 2026")]
+    assert len(lines) == 2 and "| a |" in lines[0] and "| b |" in lines[1]  # oldest first
+    assert "| 2.00 | 1.50 | 1.30x | 1.10x | 100% |" in lines[0]
+    assert "dynamic d5 k4 n8 (auto)" in lines[1]
+    (tmp_path / "a.json").unlink()
+    again = bench.update_readme(tmp_path).read_text()
+    assert again.count("| 2026") == 1 and "intro kept" in again
