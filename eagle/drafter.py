@@ -1,0 +1,227 @@
+"""Drafters: what proposes the draft tree between two target verifications.
+
+A drafter follows the committed sequence x_0 .. x_{n-1} (verified, target features known) and the root x_n (the
+token the target sampled last, not yet verified). The speculative loop calls:
+
+* ``prefill(input_ids, hidden_states, next_token)`` once, with the prompt, the target's hidden states of every
+  prompt position (the tuple HF returns with ``output_hidden_states=True``) and the first sampled token;
+* ``draft(root_token, tree_cfg) -> DraftTree`` before each verification;
+* ``accept(accepted, hidden_states, next_tokens)`` after it: ``accepted`` are the tree nodes the target kept
+  (root first), ``hidden_states`` the verification forward's hidden states over ALL tree nodes, ``next_tokens``
+  the token that follows each accepted node (the accepted children, then the new root).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from eagle.errors import EagleError
+from eagle.heads import HeadCache
+from eagle.tree import DraftTree, TreeConfig, build_tree
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """The interface the speculative loop drives (see the module docstring)."""
+
+    def prefill(
+        self, input_ids: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_token: int
+    ) -> None:
+        """Start following a new sequence: the prompt [1, T], its target hidden states and the first token."""
+
+    def draft(self, root_token: int, tree_cfg: TreeConfig) -> DraftTree:
+        """Propose a tree rooted at ``root_token`` (the last sampled token)."""
+
+    def accept(
+        self, accepted: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_tokens: torch.Tensor
+    ) -> None:
+        """Commit the accepted nodes of the last tree (see the module docstring)."""
+
+
+def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, log-probs) of the k most likely tokens of each row of logits [n, V]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logp, min(k, logp.shape[-1]), dim=-1)
+    return ids, values
+
+
+class HeadDrafter:
+    """Drafts with a trained (or untrained) EAGLE head that keeps its own KV cache.
+
+    Head alignment (ARCHITECTURE.md): the head entry at position i takes the target feature of x_i and the
+    embedding of x_{i+1}; its output predicts the feature at i + 1, hence x_{i+2}. So after the committed
+    sequence the head cache holds n entries (positions 0..n-1, the last one paired with the root), and the
+    output of the last entry gives the root's children. A drafted node at depth d >= 1 is run with the
+    output of its parent's entry as its hidden input, at position n - 1 + d, attending to the whole head cache
+    prefix and to its own ancestors among the tree entries.
+    """
+
+    def __init__(self, head: torch.nn.Module, aux_layers: list[int] | None = None):
+        cfg = head.config
+        self.head = head
+        self.kind = cfg.kind
+        self.aux_layers = list(aux_layers if aux_layers is not None else cfg.aux_layers)
+        if self.kind == "eagle3" and not self.aux_layers:
+            raise EagleError("an eagle3 head needs aux_layers: pass HeadDrafter(head, aux_layers=[...])")
+        self.cache = HeadCache()
+        self.last_out: torch.Tensor | None = None  # [1, 1, h]: output of the last committed entry
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.head.parameters()).device
+
+    def _features(
+        self, hidden_states: tuple[torch.Tensor, ...], index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The head's projected input [1, T, h] from the target's hidden states (optionally at positions index)."""
+        if self.kind == "eagle3":
+            if max(self.aux_layers) >= len(hidden_states):
+                raise EagleError(
+                    f"aux layer {max(self.aux_layers)} is out of range for a target with "
+                    f"{len(hidden_states) - 1} layers: use a head trained for this target"
+                )
+            parts = [hidden_states[i] for i in self.aux_layers]
+        else:
+            parts = [hidden_states[-1]]
+        if index is not None:
+            parts = [p[:, index.to(p.device)] for p in parts]
+        feats = torch.cat([p.to(self.device) for p in parts], dim=-1)
+        return self.head.project(feats)
+
+    def _run(
+        self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
+    ):
+        return self.head(ids[None].to(self.device), hidden, positions[None].to(self.device), mask, self.cache)
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_token: int
+    ) -> None:
+        """Run the head over the prompt: entry i pairs feature i with token i + 1 (the last one with next_token)."""
+        ids = input_ids[0].to(self.device)
+        shifted = torch.cat([ids[1:], torch.tensor([int(next_token)], device=self.device)])
+        self.cache = HeadCache()
+        out = self._run(
+            shifted, self._features(hidden_states), torch.arange(ids.numel(), device=self.device), None
+        )
+        self.last_out = out[:, -1:]
+
+    @torch.no_grad()
+    def accept(
+        self, accepted: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_tokens: torch.Tensor
+    ) -> None:
+        """Add one head entry per accepted node: its real target feature with the embedding of the next token."""
+        n, m = self.cache.length, accepted.numel()
+        mask = torch.ones(1, 1, m, n + m, dtype=torch.bool, device=self.device)
+        mask[0, 0, :, n:] = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
+        positions = torch.arange(n, n + m, device=self.device)
+        hidden = self._features(hidden_states, accepted)
+        out = self._run(next_tokens.to(self.device), hidden, positions, mask)
+        self.last_out = out[:, -1:]
+
+    @torch.no_grad()
+    def draft(self, root_token: int, tree_cfg: TreeConfig) -> DraftTree:
+        """Grow a tree from the last committed output; the head cache is back at its committed length after."""
+        if self.last_out is None:
+            raise EagleError("HeadDrafter.draft called before prefill: call prefill with the prompt first")
+        n = self.cache.length
+        # per candidate node: its head entry (index among this draft's entries) and its head output [h];
+        # per entry: the entry of its parent node (-1 when the parent is the root)
+        entry: dict[int, int] = {}
+        out_of: dict[int, torch.Tensor] = {0: self.last_out[0, 0]}
+        entry_parents: list[int] = []
+        depth_of: dict[int, int] = {0: 0}
+
+        def expand(nodes: list[int], k: int, tokens: list[int], parents: list[int]):
+            for node in nodes:
+                if node not in depth_of:
+                    depth_of[node] = depth_of[parents[node]] + 1
+            todo = [v for v in nodes if v not in out_of]
+            if todo:
+                self._run_nodes(todo, tokens, parents, entry, out_of, entry_parents, depth_of, n)
+            logits = self.head.logits(torch.stack([out_of[v] for v in nodes])[None])[0]
+            ids, logp = _topk_logprobs(logits, k)
+            return self.head.draft_to_target(ids).cpu(), logp.cpu()
+
+        try:
+            tree = build_tree(root_token, expand, tree_cfg, self.device)
+        finally:
+            self.cache.crop(n)
+        return tree
+
+    def _run_nodes(self, todo, tokens, parents, entry, out_of, entry_parents, depth_of, n) -> None:
+        """One head forward over the tree nodes ``todo`` (all children of already-run nodes)."""
+        first = len(entry_parents)
+        for v in todo:
+            entry[v] = len(entry_parents)
+            entry_parents.append(entry.get(parents[v], -1))
+        total = len(entry_parents)
+        # ancestor-or-self mask among this draft's entries
+        anc = torch.zeros(total, total, dtype=torch.bool)
+        for e, pe in enumerate(entry_parents):
+            if pe >= 0:
+                anc[e] = anc[pe]
+            anc[e, e] = True
+        mask = torch.ones(1, 1, len(todo), n + total, dtype=torch.bool)
+        mask[0, 0, :, n:] = anc[first:]
+        ids = torch.tensor([tokens[v] for v in todo])
+        hidden = torch.stack([out_of[parents[v]] for v in todo])[None]
+        positions = torch.tensor([n - 1 + depth_of[v] for v in todo])
+        out = self._run(ids, hidden, positions, mask.to(self.device))
+        for i, v in enumerate(todo):
+            out_of[v] = out[0, i]
+
+
+class OracleDrafter:
+    """Drafts with the target itself (tests and upper bounds): children are the target's own top-k.
+
+    The target's argmax child is scored as certain (log-prob 0, the others keep their log-probs), so EAGLE-2
+    reranking always expands and keeps the greedy chain: at temperature 0 every tree whose budget allows a
+    depth-``depth`` chain is fully accepted along it (tau == depth + 1). Each expansion recomputes the full
+    sequence without a cache; use it only with small models.
+    """
+
+    def __init__(self, target_model: torch.nn.Module):
+        self.model = target_model
+        self.committed: list[int] = []
+        self.last_tree: DraftTree | None = None
+
+    @torch.no_grad()
+    def prefill(
+        self, input_ids: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_token: int
+    ) -> None:
+        """Remember the prompt (the oracle needs no features)."""
+        self.committed = [int(t) for t in input_ids[0].tolist()]
+
+    @torch.no_grad()
+    def draft(self, root_token: int, tree_cfg: TreeConfig) -> DraftTree:
+        """Build the tree from the target's own next-token distributions."""
+        device = self.model.get_input_embeddings().weight.device
+
+        def expand(nodes: list[int], k: int, tokens: list[int], parents: list[int]):
+            ids_out, logp_out = [], []
+            for node in nodes:
+                path = []
+                while node >= 0:
+                    path.append(tokens[node])
+                    node = parents[node]
+                seq = torch.tensor([self.committed + path[::-1]], device=device)
+                logits = self.model(seq).logits[0, -1:]
+                ids, logp = _topk_logprobs(logits, k)
+                logp[:, 0] = 0.0  # the oracle is certain of its argmax (see the class docstring)
+                ids_out.append(ids[0])
+                logp_out.append(logp[0])
+            return torch.stack(ids_out).cpu(), torch.stack(logp_out).cpu()
+
+        self.last_tree = build_tree(root_token, expand, tree_cfg, device)
+        return self.last_tree
+
+    def accept(
+        self, accepted: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_tokens: torch.Tensor
+    ) -> None:
+        """Commit the root and the accepted drafts."""
+        if self.last_tree is None:
+            raise EagleError("OracleDrafter.accept called before draft")
+        self.committed += self.last_tree.tokens[accepted.cpu()].tolist()

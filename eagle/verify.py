@@ -1,0 +1,99 @@
+"""Verification of a draft tree against the target's distributions (pure tensor functions).
+
+``target_logits[i]`` / ``target_probs[i]`` is the target's next-token distribution AFTER node i, i.e. the
+distribution of node i's children. Both verifiers return the accepted node indices (root first, a root-to-node
+path) and the next token, which becomes the root of the next tree.
+
+Why tree sampling is exactly lossless (``verify_sampling``): drafted children are the draft's top-k, a
+deterministic function of the context, so each proposal is a point mass. At a node with target distribution p we
+try its children x1, x2, ... in order against a residual r (initially p): accept x_j with probability
+r(x_j) / sum(r); on rejection zero r(x_j) and go on; when every child is rejected, sample from r. The emitted
+token y then has probability p(y): for x1 it is p(x1); for any other y it is (1 - p(x1)) * p(y) / (1 - p(x1))
+restricted to y != x1, i.e. p(y), and the same argument repeats for each later sibling against the conditional
+distribution. Emitting a child moves to that child, where the target's distribution is the true conditional
+given the extended prefix; emitting a residual sample (never a tried child, since those were zeroed) ends the
+step. Every emitted token is therefore drawn from the target's conditional given all previous tokens, whatever
+the draft proposed -- the output distribution equals plain sampling from the target.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eagle.tree import DraftTree
+
+
+def logits_to_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
+) -> torch.Tensor:
+    """Next-token probabilities after HF's sampling warpers (temperature, then top-k, then top-p).
+
+    ``temperature <= 0`` means greedy: a one-hot distribution at the argmax. ``top_k=0`` and ``top_p=1`` disable
+    those filters; at least one token always survives, as in transformers.
+    """
+    logits = logits.float()
+    if temperature <= 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    scores = logits / temperature
+    if top_k and top_k > 0:
+        k = min(int(top_k), scores.shape[-1])
+        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_scores, sorted_idx = torch.sort(scores, descending=False, dim=-1)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        remove_sorted = cum <= (1 - top_p)
+        remove_sorted[..., -1] = False  # keep at least the most likely token
+        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
+        scores = scores.masked_fill(remove, float("-inf"))
+    return scores.softmax(-1)
+
+
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Accept the longest path whose every drafted token equals the target's argmax at its parent.
+
+    Returns (accepted node indices incl. the root, as a long tensor on the CPU; the bonus token: the target's
+    argmax after the last accepted node).
+    """
+    pred = target_logits.argmax(-1).tolist()
+    tokens = tree.tokens.tolist()
+    node, accepted = 0, [0]
+    while True:
+        # siblings are distinct tokens, so at most one child matches
+        nxt = next((c for c in tree.children(node) if tokens[c] == pred[node]), None)
+        if nxt is None:
+            return torch.tensor(accepted, dtype=torch.long), int(pred[node])
+        node = nxt
+        accepted.append(node)
+
+
+def verify_sampling(
+    tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, int]:
+    """Multi-candidate rejection sampling over a tree of deterministic (top-k) drafts; exactly lossless.
+
+    ``target_probs`` [N, V]: the target's warped distributions (see :func:`logits_to_probs`). Random numbers come
+    from ``generator`` (its device is used for the arithmetic). Returns (accepted node indices incl. the root,
+    the next token).
+    """
+    device = generator.device if generator is not None else torch.device("cpu")
+    tokens = tree.tokens.tolist()
+    node, accepted = 0, [0]
+    while True:
+        residual = target_probs[node].to(device=device, dtype=torch.float64).clone()
+        moved = False
+        for child in tree.children(node):
+            x = tokens[child]
+            mass = residual.sum()
+            u = torch.rand((), generator=generator, device=device, dtype=torch.float64)
+            if bool(u * mass < residual[x]):
+                node, moved = child, True
+                accepted.append(child)
+                break
+            residual[x] = 0.0
+        if not moved:
+            # only reachable through rounding; fall back to the full distribution
+            if not bool(residual.sum() > 0):
+                residual = target_probs[node].to(device=device, dtype=torch.float64)
+            nxt = torch.multinomial(residual, 1, generator=generator)
+            return torch.tensor(accepted, dtype=torch.long), int(nxt)

@@ -1,0 +1,397 @@
+"""Speculative generation on tiny random targets: greedy equality with HF generate, the oracle drafter's
+acceptance, cache gathering, the head drafter's bookkeeping, stopping rules."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+
+from eagle.cache import cache_length, crop_cache, gather_cache
+from eagle.drafter import HeadDrafter, OracleDrafter
+from eagle.errors import EagleError
+from eagle.heads import HeadConfig, build_head
+from eagle.speculate import GenerationResult, plain_generate, speculative_generate, tree_attention_mask
+from eagle.testing import FAMILIES, tiny_config
+from eagle.tree import TreeConfig, tree_from_parents
+
+N_NEW = 24
+T = 10
+TREES = {
+    "chain": TreeConfig("chain", depth=4),
+    "static": TreeConfig(
+        "static", static_paths=[[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 0, 0, 0]]
+    ),
+    "dynamic": TreeConfig("dynamic", depth=4, top_k=3, total_tokens=12),
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models on a shared 2-core machine: extra threads only spin (one forward: 5 ms vs 140 ms)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@cache
+def target(name: str) -> torch.nn.Module:
+    """Tiny random targets: the three families, plus sliding-window variants and an sdpa one.
+
+    Built like ``eagle.testing.tiny_model`` but with 10x larger random weights: with the default init, attention
+    is nearly uniform and a wrong position id or mask rarely changes a greedy token, so tests could not see it.
+    """
+    cfg = tiny_config(name.split("-")[0], vocab_size=16 if name.endswith("-v16") else 256)
+    cfg.initializer_range = 0.2
+    attn = "eager"
+    if name == "mistral-window":  # every layer slides over 6 positions, fewer than the prompt + output
+        cfg.sliding_window = 6
+    elif name == "qwen2-mixed":  # alternating full / sliding layers: the verify mask becomes a dict per type
+        cfg.sliding_window = 6
+        cfg.use_sliding_window = True
+        cfg.layer_types = ["full_attention", "sliding_attention"] * 2
+    elif name == "llama-sdpa":
+        attn = "sdpa"
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval().requires_grad_(False)
+    if name.endswith("-v16"):  # 1 token in 16 is EOS: let generations run to their length limit
+        model.generation_config.eos_token_id = None
+    return model
+
+
+@cache
+def head(name: str, kind: str) -> torch.nn.Module:
+    model = target(name)
+    torch.manual_seed(1)
+    if kind == "eagle3":
+        draft_vocab = model.config.vocab_size * 3 // 4
+        cfg = HeadConfig.from_target(
+            model.config, "eagle3", draft_vocab_size=draft_vocab, aux_layers=[1, 2, 3]
+        )
+    else:
+        cfg = HeadConfig.from_target(model.config, "eagle1")
+    hd = build_head(cfg).attach_target(model).eval()
+    # O(1) random weights instead of the small training init, so that a wrong mask, position or feature
+    # visibly changes the drafts (the training init makes attention nearly uniform and outputs tiny)
+    with torch.no_grad():
+        for module in hd.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0, 1.5 / module.in_features**0.5)
+    return hd
+
+
+def prompt(seed: int = 0, length: int = T, vocab: int = 256) -> torch.Tensor:
+    return torch.randint(3, vocab, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def eos_ids(model) -> list[int]:
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+
+@cache
+def reference(name: str, seed: int = 0, n: int = N_NEW) -> list[int]:
+    model = target(name)
+    ids = prompt(seed, vocab=model.config.vocab_size)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
+    return out[0, ids.shape[1] :].tolist()
+
+
+def check_result(res: GenerationResult, ref: list[int]) -> None:
+    assert res.tokens == ref
+    acc = res.accept_lengths
+    assert res.target_forwards == len(acc)
+    # the prefill gives one token, each verification accepted + 1 (the last one may be cut by a stop rule)
+    assert len(res.tokens) <= 1 + sum(acc)
+    assert len(res.tokens) == 1 if not acc else 1 + sum(acc[:-1]) < len(res.tokens)
+    depths = range(1, len(res.accepted_per_depth) + 1)
+    assert res.accepted_per_depth == [sum(1 for a in acc if a > d) for d in depths]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_plain_generate_equals_hf_generate(family):
+    res = plain_generate(target(family), prompt(), N_NEW, eos_token_ids=eos_ids(target(family)))
+    assert res.tokens == reference(family)
+    assert res.target_forwards == len(res.tokens) - 1 and set(res.accept_lengths) == {1}
+
+
+@pytest.mark.parametrize("policy", list(TREES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_oracle_drafter_accepts_everything(family, policy):
+    model = target(family)
+    res = speculative_generate(
+        model, OracleDrafter(model), prompt(), N_NEW, TREES[policy], eos_token_ids=eos_ids(model)
+    )
+    check_result(res, reference(family))
+    depth = 4
+    assert res.accept_lengths[:-1] == [depth + 1] * (len(res.accept_lengths) - 1)
+    assert len(res.accept_lengths) == -(
+        -(len(res.tokens) - 1) // (depth + 1)
+    )  # ceil: as few forwards as possible
+
+
+@pytest.mark.parametrize("policy", list(TREES))
+@pytest.mark.parametrize("family,kind", [(f, k) for f in FAMILIES for k in ("eagle1", "eagle3")])
+def test_untrained_head_keeps_greedy_output(family, kind, policy):
+    model = target(family)
+    drafter = HeadDrafter(head(family, kind))
+    res = speculative_generate(model, drafter, prompt(), N_NEW, TREES[policy], eos_token_ids=eos_ids(model))
+    check_result(res, reference(family))
+    assert drafter.cache.length == T + sum(res.accept_lengths[:-1])  # head cache = committed length - 1
+
+
+class NoisyOracle(OracleDrafter):
+    """The oracle, but at some nodes (a fixed pseudo-random choice) it ranks the target's second choice first:
+    acceptance stops part-way and, in trees, continues through non-first children."""
+
+    def draft(self, root_token, tree_cfg):
+        model = self.model
+
+        class Flipped(torch.nn.Module):
+            def forward(self, seq):
+                logits = model(seq).logits
+                if hash(tuple(seq[0, -3:].tolist())) % 3 == 0:
+                    top2 = logits[0, -1].topk(2).indices
+                    logits[0, -1, top2[1]] = logits[0, -1, top2[0]] + 1
+                return type("Out", (), {"logits": logits})
+
+        self.model = Flipped()
+        self.model.get_input_embeddings = model.get_input_embeddings
+        try:
+            return super().draft(root_token, tree_cfg)
+        finally:
+            self.model = model
+
+
+@pytest.mark.parametrize("policy", list(TREES))
+def test_partial_acceptance_keeps_greedy_output(policy):
+    model = target("mistral")
+    res = speculative_generate(
+        model, NoisyOracle(model), prompt(), N_NEW, TREES[policy], eos_token_ids=eos_ids(model)
+    )
+    check_result(res, reference("mistral"))
+    assert len(set(res.accept_lengths[:-1])) > 1  # a mix of full and partial acceptance
+    # an untrained head on a 16-token vocabulary guesses right now and then
+    small = target("llama-v16")
+    for kind in ("eagle1", "eagle3"):
+        drafter = HeadDrafter(head("llama-v16", kind))
+        res = speculative_generate(small, drafter, prompt(vocab=16), 40, TREES[policy])
+        check_result(res, reference("llama-v16", 0, 40))
+        assert max(res.accept_lengths) > 1
+
+
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-mixed", "llama-sdpa"])
+def test_sliding_window_and_sdpa_targets(name):
+    model = target(name)
+    ref = reference(name)
+    for drafter in (OracleDrafter(model), HeadDrafter(head(name, "eagle3"))):
+        for policy in ("chain", "dynamic"):
+            res = speculative_generate(
+                model, drafter, prompt(), N_NEW, TREES[policy], eos_token_ids=eos_ids(model)
+            )
+            check_result(res, ref)
+    assert plain_generate(model, prompt(), N_NEW, eos_token_ids=eos_ids(model)).tokens == ref
+
+
+# ------------------------------------------------------------------------------------------ the cache
+
+
+TREE = tree_from_parents([11, 20, 21, 22, 30, 31, 40, 41], [-1, 0, 0, 0, 1, 2, 5, 5])
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-window", "qwen2-mixed"])
+def test_tree_forward_and_noncontiguous_gather_match_recompute(name):
+    from eagle.speculate import _verify_mask  # the per-layer-type masks of this target
+
+    model = target(name)
+    ids = prompt(3)
+    cache = DynamicCache()
+    model(ids, cache=cache, use_cache=True)
+    logits = model(
+        TREE.tokens[None],
+        attention_mask=_verify_mask(model, TREE, T, torch.float32),
+        position_ids=(T + TREE.depths)[None],
+        cache=cache,
+        use_cache=True,
+    ).logits[0]
+    # each node's logits equal a plain forward over prompt + its root-to-node path
+    for i in range(TREE.size):
+        path = [j for j in range(TREE.size) if TREE.attn_mask[i, j]]
+        full = model(torch.cat([ids[0], TREE.tokens[path]])[None]).logits[0, -1]
+        torch.testing.assert_close(logits[i], full, atol=1e-5, rtol=1e-5)
+    # keep the non-contiguous path 0 -> 2 -> 5 -> 7, then decode one more token from the gathered cache
+    accepted = torch.tensor([0, 2, 5, 7])
+    gather_cache(cache, torch.cat([torch.arange(T), T + accepted]))
+    assert cache_length(cache) == T + 4
+    nxt = model(torch.tensor([[9]]), cache=cache, use_cache=True).logits[0, -1]
+    full = model(torch.cat([ids[0], TREE.tokens[accepted], torch.tensor([9])])[None]).logits[0, -1]
+    torch.testing.assert_close(nxt, full, atol=1e-5, rtol=1e-5)
+
+
+def test_tree_attention_mask_window():
+    mask = tree_attention_mask(TREE, 4, window=3)
+    allowed = (mask[0, 0] == 0).int()
+    # node 7 (depth 3, position 7) sees positions > 4: nodes 2 (pos 5) and 5 (pos 6) and itself; no prefix
+    assert allowed[7].tolist() == [0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 0, 1]
+    # the root (position 4) sees prefix positions 2, 3 and itself
+    assert allowed[0].tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+
+
+def test_gather_and_crop_legacy_and_unsupported_caches():
+    k = torch.arange(2 * 6 * 3, dtype=torch.float32).view(1, 2, 6, 3)
+    legacy = ((k, k + 1), (k + 2, k + 3))
+    kept = gather_cache(legacy, torch.tensor([0, 1, 3, 5]))
+    assert torch.equal(kept[1][0], (k + 2)[:, :, [0, 1, 3, 5]])
+    assert crop_cache(legacy, 2)[0][1].shape[2] == 2
+    dyn = DynamicCache()
+    dyn.update(k.clone(), k.clone() + 1, 0)
+    gather_cache(dyn, torch.tensor([0, 1, 4]))
+    assert torch.equal(dyn.layers[0].keys, k[:, :, [0, 1, 4]]) and dyn.get_seq_length() == 3
+    crop_cache(dyn, 1)
+    assert dyn.get_seq_length() == 1
+    static = StaticCache(config=tiny_config("llama"), max_cache_len=16)
+    with pytest.raises(EagleError, match="DynamicCache"):
+        gather_cache(static, torch.tensor([0]))
+
+
+# ---------------------------------------------------------------------------------- the head drafter
+
+
+def scratch_output(
+    hd: torch.nn.Module, feats: torch.Tensor, shifted: torch.Tensor, path: list[int]
+) -> torch.Tensor:
+    """The head's output after following ``path`` (drafted tokens), recomputed causally without a cache."""
+    hidden, ids = hd.project(feats), shifted
+    out = hd(ids, hidden, torch.arange(ids.shape[1])[None])
+    for tok in path:
+        hidden = torch.cat([hidden, out[:, -1:]], dim=1)
+        ids = torch.cat([ids, torch.tensor([[tok]])], dim=1)
+        out = hd(ids, hidden, torch.arange(ids.shape[1])[None])
+    return out[0, -1]
+
+
+def features(model, ids: torch.Tensor, kind: str) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    hs = model(ids, output_hidden_states=True).hidden_states
+    return hs, (torch.cat([hs[i] for i in (1, 2, 3)], -1) if kind == "eagle3" else hs[-1])
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_head_drafter_matches_recompute(kind):
+    model, hd = target("llama"), head("llama", kind)
+    ids, root = prompt(5), 17
+    hs, feats = features(model, ids, kind)
+    drafter = HeadDrafter(hd)
+    drafter.prefill(ids, hs, root)
+    shifted = torch.cat([ids[:, 1:], torch.tensor([[root]])], dim=1)
+    tree = drafter.draft(root, TreeConfig("dynamic", depth=3, top_k=3, total_tokens=22))
+    assert drafter.cache.length == T
+    # every node's draft log-prob equals a causal recompute along its ancestors
+    for i in range(1, tree.size):
+        path = [j for j in range(1, tree.size) if tree.attn_mask[tree.parents[i], j]]
+        out = scratch_output(hd, feats, shifted, tree.tokens[path].tolist())
+        logp = torch.log_softmax(hd.logits(out[None, None])[0, 0].float(), -1)
+        draft_id = int(tree.tokens[i])  # identity draft vocabulary: draft id == target id
+        assert tree.draft_logprobs[i].item() == pytest.approx(logp[draft_id].item(), abs=1e-4)
+
+    # accept a non-contiguous path with the target's features of the tree nodes, then compare with a fresh
+    # drafter that prefills the whole committed sequence
+    accepted = tree.paths[-1][tree.paths[-1] >= 0]
+    assert accepted.numel() >= 3 and not torch.equal(accepted, torch.arange(accepted.numel()))
+    cache = DynamicCache()
+    model(ids, cache=cache, use_cache=True)
+    from eagle.speculate import _verify_mask
+
+    tree_hs = model(
+        tree.tokens[None],
+        attention_mask=_verify_mask(model, tree, T, torch.float32),
+        position_ids=(T + tree.depths)[None],
+        cache=cache,
+        output_hidden_states=True,
+    ).hidden_states
+    bonus = 33
+    next_tokens = torch.cat([tree.tokens[accepted[1:]], torch.tensor([bonus])])
+    drafter.accept(accepted, tree_hs, next_tokens)
+    committed = torch.cat([ids[0], tree.tokens[accepted]])[None]
+    fresh = HeadDrafter(hd)
+    fresh.prefill(committed, features(model, committed, kind)[0], bonus)
+    assert drafter.cache.length == fresh.cache.length == committed.shape[1]
+    torch.testing.assert_close(drafter.last_out, fresh.last_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.cache.keys, fresh.cache.keys, atol=1e-4, rtol=1e-4)
+    chain = TreeConfig("chain", depth=3)
+    assert drafter.draft(bonus, chain).tokens.tolist() == fresh.draft(bonus, chain).tokens.tolist()
+
+
+# ------------------------------------------------------------------------------------- stopping, errors
+
+
+class DigitTokenizer:
+    """Decodes token ids as space-separated numbers (enough to test stop strings)."""
+
+    def decode(self, ids, skip_special_tokens=False):
+        return " ".join(f"<{i}>" for i in ids)
+
+
+def test_stopping_rules():
+    model = target("llama")
+    ref = reference("llama", 0, 40)
+    drafter = OracleDrafter(model)
+    # EOS: an id that first occurs mid-way in the greedy output; it is kept and generation stops there
+    eos = ref[13]
+    cut = ref.index(eos) + 1
+    res = speculative_generate(model, drafter, prompt(), 40, TREES["chain"], eos_token_ids=[eos])
+    assert res.tokens == ref[:cut]
+    # exact length truncation, also when the limit falls inside an accepted block
+    for n in (1, 2, 7):
+        assert (
+            speculative_generate(model, OracleDrafter(model), prompt(), n, TREES["chain"]).tokens == ref[:n]
+        )
+    # stop strings (decoded text); the token completing the string is kept
+    stop = f"<{ref[5]}> <{ref[6]}>"
+    first = next(i for i in range(1, 40) if f"<{ref[i - 1]}> <{ref[i]}>" == stop)
+    res = speculative_generate(
+        model,
+        OracleDrafter(model),
+        prompt(),
+        40,
+        TREES["dynamic"],
+        stop_strings=[stop],
+        tokenizer=DigitTokenizer(),
+    )
+    assert res.tokens == ref[: first + 1]
+    plain = plain_generate(model, prompt(), 40, stop_strings=[stop], tokenizer=DigitTokenizer())
+    assert plain.tokens == res.tokens
+
+
+def test_sampling_path():
+    model = target("qwen2")
+    tree = TREES["dynamic"]
+
+    def run(drafter, seed, **kw):
+        gen = torch.Generator().manual_seed(seed)
+        return speculative_generate(model, drafter, prompt(), 16, tree, temperature=0.8, generator=gen, **kw)
+
+    a = run(HeadDrafter(head("qwen2", "eagle1")), 7, top_p=0.9, top_k=50)
+    b = run(HeadDrafter(head("qwen2", "eagle1")), 7, top_p=0.9, top_k=50)
+    assert a.tokens == b.tokens and len(a.tokens) == 16
+    assert a.tokens != run(HeadDrafter(head("qwen2", "eagle1")), 8, top_p=0.9, top_k=50).tokens
+    # top_k=1 makes every warped distribution one-hot: sampling must reproduce greedy decoding, and the oracle's
+    # drafts are then accepted with probability 1
+    res = run(OracleDrafter(model), 0, top_k=1)
+    assert res.tokens == reference("qwen2", 0, 16)
+    assert res.accept_lengths[:-1] == [5] * (len(res.accept_lengths) - 1)
+    assert run(HeadDrafter(head("qwen2", "eagle3")), 0, top_k=1).tokens == reference("qwen2", 0, 16)
+
+
+def test_user_errors():
+    model = target("llama")
+    with pytest.raises(EagleError, match="one sequence"):
+        speculative_generate(model, OracleDrafter(model), torch.ones(2, 4, dtype=torch.long), 4)
+    with pytest.raises(EagleError, match="tokenizer"):
+        speculative_generate(model, OracleDrafter(model), prompt(), 4, stop_strings=["x"])
+    with pytest.raises(EagleError, match="policy"):
+        speculative_generate(model, OracleDrafter(model), prompt(), 4, TreeConfig(policy="beam"))
+    with pytest.raises(EagleError, match="max_new_tokens"):
+        plain_generate(model, prompt(), 0)

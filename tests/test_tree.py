@@ -1,0 +1,210 @@
+"""Draft tree structure and the chain / static / dynamic (EAGLE-2) builders, with a synthetic drafter."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from eagle.errors import EagleError
+from eagle.tree import (
+    DraftTree,
+    TreeConfig,
+    build_chain,
+    build_dynamic_tree,
+    build_static_tree,
+    build_tree,
+    resolve_total_tokens,
+    tree_from_parents,
+)
+
+V = 11
+
+
+def path_logprobs(path: tuple[int, ...]) -> torch.Tensor:
+    """A fixed pseudo-random draft distribution for each token path (root token first)."""
+    seed = int(hashlib.sha256(repr(path).encode()).hexdigest()[:8], 16)
+    g = torch.Generator().manual_seed(seed)
+    return torch.log_softmax(3 * torch.randn(V, generator=g), -1)
+
+
+class SyntheticDrafter:
+    """An ``expand`` callback over path_logprobs that records what it was asked to expand."""
+
+    def __init__(self):
+        self.calls: list[list[tuple[int, ...]]] = []
+
+    @staticmethod
+    def path_of(node: int, tokens: list[int], parents: list[int]) -> tuple[int, ...]:
+        path = []
+        while node >= 0:
+            path.append(tokens[node])
+            node = parents[node]
+        return tuple(path[::-1])
+
+    def __call__(self, nodes, k, tokens, parents):
+        paths = [self.path_of(n, tokens, parents) for n in nodes]
+        self.calls.append(paths)
+        lp = torch.stack([path_logprobs(p) for p in paths])
+        values, ids = torch.topk(lp, min(k, V), dim=-1)
+        return ids, values
+
+
+def score(path: tuple[int, ...]) -> float:
+    """Cumulative draft log-prob of the last token of ``path`` (root excluded)."""
+    return sum(float(path_logprobs(path[:i])[path[i]]) for i in range(1, len(path)))
+
+
+def node_paths(tree: DraftTree) -> list[tuple[int, ...]]:
+    toks, pars = tree.tokens.tolist(), tree.parents.tolist()
+    return [SyntheticDrafter.path_of(i, toks, pars) for i in range(tree.size)]
+
+
+def check_consistent(tree: DraftTree) -> None:
+    """Masks, depths and paths agree with the parent array; parents precede children."""
+    n = tree.size
+    parents = tree.parents.tolist()
+    assert parents[0] == -1 and tree.depths[0] == 0
+    for i in range(1, n):
+        assert 0 <= parents[i] < i
+        assert tree.depths[i] == tree.depths[parents[i]] + 1
+    for i in range(n):
+        ancestors = set()
+        j = i
+        while j >= 0:
+            ancestors.add(j)
+            j = parents[j]
+        assert {j for j in range(n) if tree.attn_mask[i, j]} == ancestors
+    leaves = [i for i in range(n) if i not in set(parents)]
+    assert tree.paths.shape == (len(leaves), int(tree.depths.max()) + 1)
+    assert sorted(int(p[p >= 0][-1]) for p in tree.paths) == leaves
+    for row in tree.paths.tolist():
+        nodes = [v for v in row if v >= 0]
+        assert row[len(nodes) :] == [-1] * (len(row) - len(nodes))
+        assert nodes[0] == 0
+        assert all(parents[b] == a for a, b in zip(nodes, nodes[1:]))
+    for i in range(n):  # siblings are distinct tokens
+        kids = tree.children(i)
+        assert len({int(tree.tokens[c]) for c in kids}) == len(kids)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 1000), min_size=0, max_size=25))
+def test_tree_from_parents_is_consistent(choices):
+    parents = [-1] + [c % (i + 1) for i, c in enumerate(choices)]
+    tree = tree_from_parents(list(range(len(parents))), parents)
+    check_consistent(tree)
+    assert tree.max_depth == int(tree.depths.max())
+
+
+def test_tree_from_parents_example():
+    tree = tree_from_parents([7, 8, 9, 10, 11], [-1, 0, 0, 1, 1])
+    assert tree.depths.tolist() == [0, 1, 1, 2, 2]
+    assert tree.paths.tolist() == [[0, 2, -1], [0, 1, 3], [0, 1, 4]]
+    assert tree.attn_mask[4].tolist() == [True, True, False, False, True]
+    assert tree.children(1) == [3, 4]
+
+
+def test_tree_from_parents_rejects_bad_input():
+    with pytest.raises(EagleError, match="parent"):
+        tree_from_parents([1, 2], [0, 0])
+    with pytest.raises(EagleError, match="precede"):
+        tree_from_parents([1, 2, 3], [-1, 2, 0])
+    with pytest.raises(EagleError, match="as many tokens"):
+        tree_from_parents([1, 2], [-1])
+
+
+@pytest.mark.parametrize("depth,top_k,total", [(5, 4, 16), (3, 3, 13), (4, 2, 40), (1, 5, 3), (6, 1, 16)])
+def test_dynamic_tree_is_eagle2_selection(depth, top_k, total):
+    drafter = SyntheticDrafter()
+    tree = build_dynamic_tree(3, drafter, depth, top_k, total)
+    check_consistent(tree)
+    n_candidates = min(top_k, V) + (depth - 1) * top_k * min(top_k, V)
+    assert tree.size == min(total, n_candidates + 1)
+    assert tree.max_depth <= depth
+
+    # expansions: depth calls; at each depth the top_k candidates by cumulative score are expanded
+    assert len(drafter.calls) == depth
+    assert drafter.calls[0] == [(3,)]
+    all_candidates = set()
+    for call in drafter.calls:
+        for path in call:
+            lp = path_logprobs(path)
+            for t in torch.topk(lp, min(top_k, V)).indices.tolist():
+                all_candidates.add(path + (t,))
+    for d in range(1, depth):
+        level = sorted((p for p in all_candidates if len(p) == d + 1), key=score, reverse=True)
+        assert set(drafter.calls[d]) == set(level[:top_k])
+
+    # the kept nodes are the best total-1 candidates; closure under parents holds
+    paths = node_paths(tree)
+    kept = set(paths[1:])
+    dropped = all_candidates - kept
+    if dropped:
+        assert min(score(p) for p in kept) >= max(score(p) for p in dropped)
+    assert all(p[:-1] in kept or len(p) == 2 for p in kept)
+    # order: by depth, then by score within a depth
+    keys = [(len(p), -score(p)) for p in paths[1:]]
+    assert keys == sorted(keys)
+    # stored draft log-probs are the per-edge log-probs
+    for i, p in enumerate(paths[1:], start=1):
+        assert tree.draft_logprobs[i].item() == pytest.approx(float(path_logprobs(p[:-1])[p[-1]]), abs=1e-5)
+
+
+def test_static_tree_from_paths():
+    choices = [[0], [1], [0, 0], [0, 1], [2], [1, 0], [0, 0, 0]]
+    drafter = SyntheticDrafter()
+    tree = build_static_tree(5, drafter, choices)
+    check_consistent(tree)
+    assert tree.size == len(choices) + 1
+    ordered = sorted(map(tuple, choices), key=lambda p: (len(p), p))
+    for i, ranks in enumerate(ordered, start=1):
+        # node i is the ranks[-1]-th best child of the node for ranks[:-1]
+        parent = 0 if len(ranks) == 1 else ordered.index(ranks[:-1]) + 1
+        assert tree.parents[i] == parent
+        parent_path = node_paths(tree)[parent]
+        ranked = torch.argsort(path_logprobs(parent_path), descending=True).tolist()
+        assert tree.tokens[i] == ranked[ranks[-1]]
+    assert [len(c) for c in drafter.calls] == [1, 2, 1]
+
+
+def test_chain():
+    tree = build_chain(4, SyntheticDrafter(), 5)
+    check_consistent(tree)
+    assert tree.parents.tolist() == [-1, 0, 1, 2, 3, 4]
+    path = (4,)
+    for i in range(1, 6):
+        path = path + (int(path_logprobs(path).argmax()),)
+        assert tree.tokens[i] == path[-1]
+    assert tree.paths.tolist() == [[0, 1, 2, 3, 4, 5]]
+
+
+def test_build_tree_dispatch_and_auto_budget():
+    assert build_tree(1, SyntheticDrafter(), TreeConfig("chain", depth=3)).size == 4
+    assert build_tree(1, SyntheticDrafter(), TreeConfig("static", static_paths=[[0], [1], [1, 0]])).size == 4
+    cpu = build_tree(1, SyntheticDrafter(), TreeConfig("dynamic", depth=4, top_k=4, total_tokens="auto"))
+    assert cpu.size == resolve_total_tokens("auto", "cpu")
+    assert resolve_total_tokens("auto", "cuda") > resolve_total_tokens("auto", "cpu")
+    assert resolve_total_tokens(7, "cuda") == 7
+
+
+@pytest.mark.parametrize(
+    "cfg,match",
+    [
+        (TreeConfig(policy="beam"), "unknown"),
+        (TreeConfig(policy="static"), "static_paths"),
+        (TreeConfig(policy="static", static_paths=[[0], [1, 0]]), "parent path"),
+        (TreeConfig(policy="static", static_paths=[[0], [0]]), "twice"),
+        (TreeConfig(policy="static", static_paths=[[-1]]), "ranks"),
+        (TreeConfig(depth=0), "depth"),
+        (TreeConfig(top_k=0), "top_k"),
+        (TreeConfig(total_tokens=1), "total_tokens"),
+        (TreeConfig(total_tokens="many"), "total_tokens"),
+    ],
+)
+def test_tree_config_validation(cfg, match):
+    with pytest.raises(EagleError, match=match):
+        cfg.validate()
