@@ -143,8 +143,9 @@ STAGE_WEIGHT = {"prepare": 0.35, "collect": 0.07, "train": 0.33, "export": 0.01,
 
 def _stage_hash(cfg: RunConfig, stage: str) -> str:
     data = {s: to_dict(getattr(cfg, s)) for s in STAGE_SECTIONS[stage]}
-    if stage == "train":
-        data["train"].pop("progress", None)
+    if "train" in data:  # how to run, not what to produce (run_demo itself changes resume)
+        for key in ("progress", "resume"):
+            data["train"].pop(key, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -176,6 +177,8 @@ def run_demo(cfg: RunConfig, fresh: bool = False) -> dict[str, Any]:
     apply_budget(cfg, cfg.demo.budget_minutes)
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    if not cfg.demo.collect:
+        cfg.train.mode = "online"
     save_config(cfg, run_dir / "config.yaml")
     stamps_path = run_dir / "stages.json"
     stamps: dict[str, Any] = {}
@@ -185,8 +188,6 @@ def run_demo(cfg: RunConfig, fresh: bool = False) -> dict[str, Any]:
         cfg.train.resume = "never"
 
     stages = ["prepare"] + (["collect"] if cfg.demo.collect else []) + ["train", "export", "eval"]
-    if not cfg.demo.collect:
-        cfg.train.mode = "online"
     runners = {"prepare": run_prepare, "collect": run_collect, "train": run_train,
                "export": run_export, "eval": run_eval}
     start = time.time()
