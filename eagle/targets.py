@@ -16,6 +16,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -323,6 +324,16 @@ def resolve_target(name: str) -> str:
 
 def _load_error(name: str, err: Exception) -> EagleError:
     first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    if isinstance(err, pickle.UnpicklingError):  # torch's text here suggests weights_only=False: never
+        return EagleError(
+            f"target {name!r} has pickle weights holding objects other than tensors; they were refused without "
+            "running them. Use a copy with safetensors weights (model.safetensors) from a source you trust"
+        )
+    if "custom code" in first or "trust_remote_code" in first:
+        return EagleError(
+            f"could not load target {name!r}: it needs its own Python code, which is not run by default. Set "
+            "target.trust_remote_code=true only if you trust that code, or use a standard architecture"
+        )
     return EagleError(
         f"could not load target {name!r}: {first}. Pass a folder with config.json and weights, "
         f"a Hugging Face hub id, or {EMBEDDED_TARGET!r}"
@@ -385,6 +396,7 @@ def load_target(
     trust_remote_code: bool = False,
 ) -> Target:
     """Load a frozen target (model + tokenizer). A TargetConfig supplies all four settings itself."""
+    from safetensors import SafetensorError
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
 
     if isinstance(name_or_cfg, TargetConfig):
@@ -414,7 +426,7 @@ def load_target(
             if "sdpa" not in str(e).lower():
                 raise
             model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **kwargs)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:  # truncated / unsafe weights
         raise _load_error(name, e) from e
     try:
         tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)

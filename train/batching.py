@@ -26,6 +26,24 @@ from eagle.errors import EagleError
 CHUNK_BATCHES = 64  # length bucketing sorts within random chunks of this many global batches
 
 
+def check_token_columns(ds, path: str | os.PathLike) -> None:
+    """Prepared data holds lists of integers in ``input_ids`` and ``loss_mask`` (float ids would be truncated
+    silently, so they are refused)."""
+    import pyarrow as pa
+
+    for name in ("input_ids", "loss_mask"):
+        kind = ds.data.schema.field(name).type
+        lists = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+        item = kind.value_type if lists else None
+        if item is None or not (
+            pa.types.is_integer(item) or (name == "loss_mask" and pa.types.is_boolean(item))
+        ):
+            raise EagleError(
+                f"{path}: column {name!r} holds {kind}, not lists of integers: rerun `eagle prepare` (token ids "
+                "and 0/1 loss masks are integer lists)"
+            )
+
+
 class PreparedSequences(torch.utils.data.Dataset):
     """One split of prepared data (``datasets.save_to_disk`` with columns input_ids, loss_mask)."""
 
@@ -45,6 +63,7 @@ class PreparedSequences(torch.utils.data.Dataset):
         missing = {"input_ids", "loss_mask"} - set(self.ds.column_names)
         if missing:
             raise EagleError(f"{self.path} lacks column(s) {sorted(missing)}: rerun `eagle prepare`")
+        check_token_columns(self.ds, self.path)
         self.ds = self.ds.select_columns(["input_ids", "loss_mask"])
         self.max_length = max_length
 

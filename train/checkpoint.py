@@ -15,13 +15,16 @@ Layout of ``<output_dir>/checkpoints``::
 
 A checkpoint is written into ``.tmp-step-NNNNNNN``, every file fsynced, and renamed into place; only then does
 ``latest`` move. A crash at any point leaves either the old or the new checkpoint, never half of one. Every
-``.pt`` file holds only tensors and plain Python values, so it loads with ``torch.load(weights_only=True)``.
+``.pt`` file holds only tensors and plain Python values, so it loads with ``torch.load(weights_only=True)``;
+DeepSpeed's own files (which DeepSpeed reads with full pickle) are vetted the same way before it sees them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
@@ -220,13 +223,82 @@ def save_pt(obj: Any, path: Path) -> None:
         os.fsync(fh.fileno())
 
 
-def load_pt(path: Path) -> Any:
-    """torch.load with ``weights_only=True`` (never unpickles arbitrary objects)."""
+def _reason(exc: Exception) -> str:
+    """The informative line of a torch.load error (its boilerplate suggests weights_only=False: never here)."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if "GLOBAL" in line or line.startswith("Unsupported"):
+            return line
+    if isinstance(exc, pickle.UnpicklingError) or not lines:
+        return f"{type(exc).__name__}: not a plain tensor file"
+    return lines[0]
+
+
+def load_pt(path: Path, allowed_globals: list | None = None) -> Any:
+    """torch.load with ``weights_only=True``: never unpickles arbitrary objects (a planted pickle is refused
+    before any of it runs). ``allowed_globals`` admits a few more plain data classes (DeepSpeed's)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(allowed_globals or []):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise EagleError(
+            f"{path} holds objects other than tensors and plain values, so it was refused without running it "
+            f"({_reason(exc)}): resume from a checkpoint this tool wrote (train.resume=<dir>) or start fresh "
+            "(train.resume=never)"
+        ) from exc
     except Exception as exc:
         raise EagleError(
-            f"{path} is unreadable ({exc}): resume from another checkpoint (train.resume=<dir>)"
+            f"{path} is unreadable ({_reason(exc)}): resume from another checkpoint (train.resume=<dir>) or "
+            "start fresh (train.resume=never)"
+        ) from exc
+
+
+# DeepSpeed pickles a few of its own plain data classes into its optimizer states, and reads its files with
+# full pickle: every file is vetted by the weights-only unpickler (admitting only these) before DeepSpeed sees it.
+_DEEPSPEED_GLOBALS = (
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaleConfig"),
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScaleProfile"),
+    ("deepspeed.utils.tensor_fragment", "fragment_address"),
+    ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+)
+
+
+def vet_deepspeed_files(directory: Path) -> None:
+    """Refuse a DeepSpeed checkpoint folder whose ``.pt`` files hold anything but tensors, plain values and
+    DeepSpeed's own data classes (EagleError), so that DeepSpeed's unrestricted ``torch.load`` runs no code."""
+    import importlib
+
+    # names missing from this DeepSpeed version cannot occur in its files
+    found = (getattr(importlib.import_module(module), name, None) for module, name in _DEEPSPEED_GLOBALS)
+    allowed = [cls for cls in found if cls is not None]
+    for path in sorted(directory.rglob("*.pt")):
+        load_pt(path, allowed)
+
+
+@contextlib.contextmanager
+def write_guard(what: str, partial: Path | None = None):
+    """Turn a failed write of ``what`` (disk full, quota, I/O error) into a clear EagleError after removing the
+    partial output ``partial``; what was complete before (earlier checkpoints) stays untouched.
+
+    A full disk shows up as OSError, as RuntimeError from torch.save and as SafetensorError from safetensors."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, RuntimeError, SafetensorError) as exc:
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        reason = getattr(exc, "strerror", None) or (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        where = partial.parent if partial is not None else Path(".")
+        try:
+            free = f"{shutil.disk_usage(where).free / 1e6:.1f} MB free there"
+        except OSError:
+            free = "free space unknown"
+        raise EagleError(
+            f"could not write {what} ({reason}; {free}): free disk space (or move train.output_dir) and rerun "
+            "the same command; it resumes from the last complete checkpoint, which is intact"
         ) from exc
 
 
@@ -335,20 +407,22 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
     accelerator.wait_for_everyone()
-    save_pt(rng_state(), rng_file(tmp, accelerator.process_index))
-    if engine is not None:
-        engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag="state", save_latest=False)
-    if main:
-        save_head_files(tmp, head_state, head_config, vocab)
-        if engine is None:
-            save_pt(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
-        save_pt(scheduler.state_dict(), tmp / SCHEDULER_FILE)
+    with write_guard(f"checkpoint {final}", tmp):
+        save_pt(rng_state(), rng_file(tmp, accelerator.process_index))
+        if engine is not None:
+            engine.save_checkpoint(str(tmp / DEEPSPEED_DIR), tag="state", save_latest=False)
+        if main:
+            save_head_files(tmp, head_state, head_config, vocab)
+            if engine is None:
+                save_pt(optimizer.state_dict(), tmp / OPTIMIZER_FILE)
+            save_pt(scheduler.state_dict(), tmp / SCHEDULER_FILE)
     accelerator.wait_for_everyone()
     if main:
-        write_json_atomic(trainer_state, tmp / STATE_FILE)  # last: marks the content complete
-        replace_dir(tmp, final)
-        write_text_atomic(final.name + "\n", root / LATEST)
-        prune(root, keep_last, protect=final)
+        with write_guard(f"checkpoint {final}", tmp):
+            write_json_atomic(trainer_state, tmp / STATE_FILE)  # last: marks the content complete
+            replace_dir(tmp, final)
+            write_text_atomic(final.name + "\n", root / LATEST)
+            prune(root, keep_last, protect=final)
     accelerator.wait_for_everyone()
     return final
 
@@ -366,6 +440,7 @@ def load_checkpoint(
                 f"{path} was not written under DeepSpeed (no {DEEPSPEED_DIR}/ folder): resume it without "
                 "train.deepspeed, or start fresh with train.resume=never"
             )
+        vet_deepspeed_files(path / DEEPSPEED_DIR)
         engine.load_checkpoint(
             str(path / DEEPSPEED_DIR), tag="state", load_optimizer_states=True, load_lr_scheduler_states=False
         )

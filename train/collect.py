@@ -304,6 +304,9 @@ def _load_split(data_dir: Path, split: str, max_sequences: int | None):
     missing = {"input_ids", "loss_mask"} - set(ds.column_names)
     if missing:
         raise EagleError(f"{path} lacks column(s) {sorted(missing)}: rerun `eagle prepare`")
+    from train.batching import check_token_columns
+
+    check_token_columns(ds, path)
     n_rows = len(ds) if max_sequences is None else min(len(ds), max_sequences)
     lengths = _row_lengths(ds)[:n_rows]
     if sum(lengths) == 0:
@@ -481,9 +484,10 @@ def _collect_shard(
                 writer.write_rows("input_ids", offsets[start + j], torch.tensor(tok, dtype=torch.int32))
                 writer.write_rows("loss_mask", offsets[start + j], torch.tensor(lm, dtype=torch.uint8))
                 loss_tokens += int(sum(lm))
-            if int(ids.max()) >= target.vocab_size:
+            if int(ids.max()) >= target.vocab_size or int(ids.min()) < 0:
+                bad_id = int(ids.max()) if int(ids.max()) >= target.vocab_size else int(ids.min())
                 raise EagleError(
-                    f"split {shard.split!r} has token id {int(ids.max())} but {target.name} has a vocabulary "
+                    f"split {shard.split!r} has token id {bad_id} but {target.name} has a vocabulary "
                     f"of {target.vocab_size}: the data was prepared for another tokenizer; rerun `eagle prepare`"
                 )
             keep = mask.bool().to(device)  # right padding: the real tokens, in row order
@@ -757,6 +761,62 @@ def _merge(
 # reading
 
 
+def _check_manifest(manifest: dict, path: Path) -> None:
+    """The fields a reader relies on, with their types (a hand-edited or foreign manifest fails here, clearly)."""
+
+    def bad(what: str) -> EagleError:
+        return EagleError(
+            f"{path} is malformed ({what}): rerun `eagle collect` into a fresh collect.output_dir"
+        )
+
+    for key, kind in (("target", str), ("target_fingerprint", str), ("hidden_size", int), ("splits", dict)):
+        if not isinstance(manifest.get(key), kind):
+            raise bad(f"'{key}' must be a {kind.__name__}, got {manifest.get(key)!r:.60}")
+    layers = manifest.get("aux_layers")
+    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) for i in layers):
+        raise bad(f"'aux_layers' must be a list of layer ids, got {layers!r:.60}")
+    if manifest.get("dtype") not in STORAGE_DTYPES:
+        raise bad(f"'dtype' must be one of {list(STORAGE_DTYPES)}, got {manifest.get('dtype')!r:.60}")
+    for split, entry in manifest["splits"].items():
+        shards = entry.get("shards") if isinstance(entry, dict) else None
+        if not isinstance(shards, list) or not all(
+            isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("sha256"), str)
+            for s in shards
+        ):
+            raise bad(f"split {split!r} needs a 'shards' list of {{file, sha256}} entries")
+
+
+def _check_shard_layout(
+    path: Path, layout: dict[str, tuple[str, list[int]]], offsets, num_aux: int, hidden: int, dtype: str
+) -> None:
+    """A shard must hold exactly the tensors of the documented layout, with the manifest's dtype and sizes."""
+
+    def dim0(name: str) -> int:
+        shape = layout.get(name, ("", []))[1]
+        return shape[0] if len(shape) == 1 else -1
+
+    n_seq, n_tok = dim0("seq_index"), dim0("input_ids")
+    expected = {
+        name: (_ST_DTYPE[tp], list(shape))
+        for name, tp, shape in _storage_layout(num_aux, hidden, STORAGE_DTYPES[dtype], n_tok, n_seq)
+    }
+    wrong = [
+        f"{name} {layout[name][0]} {layout[name][1]} (expected {want[0]} {want[1]})"
+        if name in layout
+        else f"{name} missing"
+        for name, want in expected.items()
+        if layout.get(name) != want
+    ]
+    wrong += [f"unexpected tensor {name}" for name in sorted(set(layout) - set(expected))]
+    if not wrong and (int(offsets[0]) != 0 or int(offsets[-1]) != n_tok or bool((offsets.diff() < 0).any())):
+        wrong.append("offsets do not cover the tokens in order")
+    if wrong:
+        raise EagleError(
+            f"shard {path} does not have the feature layout ({'; '.join(wrong[:3])}): it was not written by "
+            "`eagle collect` for this manifest; rerun `eagle collect` into a fresh collect.output_dir"
+        )
+
+
 class FeatureShards(torch.utils.data.Dataset):
     """The collected features of one split as a torch Dataset of per-sequence dicts.
 
@@ -780,12 +840,13 @@ class FeatureShards(torch.utils.data.Dataset):
             raise EagleError(
                 f"no features in {self.directory} (manifest.json missing): run `eagle collect` first"
             )
-        if manifest.get("format") != FORMAT:
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise EagleError(f"{self.directory} does not hold eagle features: point at a collect.output_dir")
         if not manifest.get("complete"):
             raise EagleError(
                 f"feature collection in {self.directory} is unfinished: rerun `eagle collect` to finish it"
             )
+        _check_manifest(manifest, self.directory / "manifest.json")
         if expected_fingerprint is not None and manifest["target_fingerprint"] != expected_fingerprint:
             raise EagleError(
                 f"features in {self.directory} were collected for target {manifest['target']} (fingerprint "
@@ -810,12 +871,18 @@ class FeatureShards(torch.utils.data.Dataset):
                 raise EagleError(f"shard {path} is missing: rerun `eagle collect` to rebuild it")
             try:
                 with safe_open(str(path), framework="pt") as fh:
-                    offsets = fh.get_tensor("offsets")
-                    rows = fh.get_tensor("seq_index")
+                    layout = {
+                        k: (fh.get_slice(k).get_dtype(), fh.get_slice(k).get_shape()) for k in fh.keys()
+                    }
+                    offsets = fh.get_tensor("offsets") if "offsets" in layout else None
+                    rows = fh.get_tensor("seq_index") if "seq_index" in layout else None
             except Exception as exc:
                 raise EagleError(
                     f"shard {path} is corrupt ({exc}): rerun `eagle collect` to rebuild it"
                 ) from exc
+            _check_shard_layout(
+                path, layout, offsets, len(self.aux_layers), self.hidden_size, manifest["dtype"]
+            )
             shard_of.append(torch.full((len(rows),), k, dtype=torch.int32))
             starts.append(offsets[:-1])
             lengths.append(offsets[1:] - offsets[:-1])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import tempfile
 import types
@@ -76,14 +77,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return int(value)
         raise EagleError(f"config key '{where}' must be an integer, got {value!r}")
     if tp is float:
+        number = None
         if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "5e-4" (no dot) as a string
+            number = float(value)
+        elif isinstance(value, str):  # YAML 1.1 reads "5e-4" (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        raise EagleError(f"config key '{where}' must be a number, got {value!r}")
+        if number is not None and math.isfinite(number):
+            return number
+        raise EagleError(f"config key '{where}' must be a finite number, got {value!r}")
     if tp is str:
         if isinstance(value, str):
             return value
@@ -167,11 +171,20 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
     except UnicodeDecodeError as exc:
         raise EagleError(f"config file {path} is not UTF-8 text ({exc}): save it as UTF-8") from exc
     except yaml.YAMLError as exc:
-        raise EagleError(f"config file {path} is not valid YAML: {exc}") from exc
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise EagleError(
+            f"config file {path} is not valid YAML ({what}{where}): fix the syntax there "
+            "(configs/smollm2_demo.yaml is a complete example)"
+        ) from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise EagleError(f"config file {path} must hold a mapping of sections, got {type(data).__name__}")
+        raise EagleError(
+            f"config file {path} must hold a mapping of sections (train:, data:, ...), got "
+            f"{type(data).__name__}: see configs/smollm2_demo.yaml for the layout"
+        )
     return data
 
 

@@ -151,6 +151,25 @@ def _locate(text: str, content: str, start: int) -> tuple[int, int]:
     return (pos, pos + len(stripped)) if pos >= 0 else (-1, -1)
 
 
+_MARKER = "\u27e6eagle-content\u27e7"
+
+
+def _marked_start(tokenizer: Any, messages: list[Message], i: int, text: str, where: str) -> int | None:
+    """Where message ``i``'s content starts in ``text``, found by rendering the conversation with that content
+    replaced by a marker: exact even when the same string also occurs earlier (say in the role header of a
+    conversation that opens with an answer). None when the template does not render the content verbatim."""
+    marked = [dict(m) for m in messages]
+    marked[i]["content"] = _MARKER
+    other = render(tokenizer, marked, where=where)
+    start = other.find(_MARKER)
+    content = messages[i]["content"]
+    if start < 0 or other[:start] != text[:start] or text[start : start + len(content)] != content:
+        return None
+    if text[start + len(content) :] != other[start + len(_MARKER) :]:
+        return None
+    return start
+
+
 def assistant_spans(
     tokenizer: Any, messages: list[Message], text: str, where: str = ""
 ) -> list[tuple[int, int]]:
@@ -162,6 +181,12 @@ def assistant_spans(
     spans = []
     cursor = 0
     for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            start = _marked_start(tokenizer, messages, i, text, where)
+            if start is not None:
+                spans.append((start, start + len(message["content"])))
+                cursor = start + len(message["content"])
+                continue
         if message["role"] == "assistant" and i > 0:
             prefix = render(tokenizer, messages[:i], add_generation_prompt=True, where=where)
             if text.startswith(prefix):  # templates that rewrite history break this; fall back to the cursor

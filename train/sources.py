@@ -23,6 +23,7 @@ import inspect
 import json
 import re
 import sys
+import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,7 +112,12 @@ def _read_text(path: Path) -> str:
         raise EagleError(f"data file {str(path)!r} does not exist; check the path (or use a named source)")
     raw = path.read_bytes()
     if path.suffix == ".gz":
-        raw = gzip.decompress(raw)
+        try:
+            raw = gzip.decompress(raw)
+        except (OSError, EOFError, zlib.error) as e:
+            raise EagleError(
+                f"{path} is not a complete gzip file ({e}); download or compress it again"
+            ) from e
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:

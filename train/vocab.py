@@ -27,7 +27,9 @@ def count_tokens(
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1)
         mask = torch.as_tensor(loss_mask).reshape(-1).bool()
         if ids.shape != mask.shape:
-            raise EagleError(f"input_ids ({ids.numel()}) and loss_mask ({mask.numel()}) differ in length")
+            raise EagleError(
+                f"input_ids ({ids.numel()}) and loss_mask ({mask.numel()}) differ in length: rerun `eagle prepare`"
+            )
         ids = ids[mask]
         if ids.numel() == 0:
             continue
@@ -106,7 +108,13 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     path = Path(path)
     if not path.is_file():
         raise EagleError(f"draft vocabulary file {path} not found: build it first (or fix the path)")
-    tensors = load_file(str(path))
+    try:
+        tensors = load_file(str(path))
+    except Exception as exc:  # truncated or not safetensors at all
+        raise EagleError(
+            f"draft vocabulary file {path} is unreadable ({exc}): resume from another checkpoint, or start "
+            "fresh (train.resume=never) to rebuild it"
+        ) from exc
     if set(tensors) != {"d2t", "t2d"}:
         raise EagleError(f"{path} is not a draft vocabulary file (expected tensors d2t and t2d)")
     check_vocab(tensors["d2t"], tensors["t2d"])
