@@ -2,7 +2,9 @@
 
 ``target_logits[i]`` / ``target_probs[i]`` is the target's next-token distribution AFTER node i, i.e. the
 distribution of node i's children. Both verifiers return the accepted node indices (root first, a root-to-node
-path) and the next token, which becomes the root of the next tree.
+path) and the next token, which becomes the root of the next tree. Both read the rows of the accepted path's nodes
+only (the last one gives the next token), so the rows may be a :class:`LazyRows` that makes each on first access
+instead of a full [N, V] tensor.
 
 Why tree sampling is exactly lossless (``verify_sampling``): drafted children are the draft's top-k, a
 deterministic function of the context, so each proposal is a point mass. At a node with target distribution p we
@@ -18,9 +20,30 @@ the draft proposed -- the output distribution equals plain sampling from the tar
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from eagle.tree import DraftTree
+
+
+class LazyRows:
+    """Rows of an [N, V] matrix made on first access by ``compute(node) -> [V]`` and kept for later reads."""
+
+    def __init__(self, compute: Callable[[int], torch.Tensor]):
+        self._compute = compute
+        self._rows: dict[int, torch.Tensor] = {}
+
+    def __getitem__(self, node: int) -> torch.Tensor:
+        node = int(node)
+        if node not in self._rows:
+            self._rows[node] = self._compute(node)
+        return self._rows[node]
+
+    @property
+    def computed(self) -> list[int]:
+        """The nodes whose rows were made, in access order."""
+        return list(self._rows)
 
 
 def logits_to_probs(
@@ -49,32 +72,33 @@ def logits_to_probs(
     return scores.softmax(-1)
 
 
-def verify_greedy(tree: DraftTree, target_logits: torch.Tensor) -> tuple[torch.Tensor, int]:
+def verify_greedy(tree: DraftTree, target_logits: torch.Tensor | LazyRows) -> tuple[torch.Tensor, int]:
     """Accept the longest path whose every drafted token equals the target's argmax at its parent.
 
-    Returns (accepted node indices incl. the root, as a long tensor on the CPU; the bonus token: the target's
-    argmax after the last accepted node).
+    ``target_logits``: [N, V], or a :class:`LazyRows`; only the rows of the accepted nodes are read. Returns
+    (accepted node indices incl. the root, as a long tensor on the CPU; the bonus token: the target's argmax
+    after the last accepted node).
     """
-    pred = target_logits.argmax(-1).tolist()
     tokens = tree.tokens.tolist()
     node, accepted = 0, [0]
     while True:
+        pred = int(target_logits[node].argmax(-1))
         # siblings are distinct tokens, so at most one child matches
-        nxt = next((c for c in tree.children(node) if tokens[c] == pred[node]), None)
+        nxt = next((c for c in tree.children(node) if tokens[c] == pred), None)
         if nxt is None:
-            return torch.tensor(accepted, dtype=torch.long), int(pred[node])
+            return torch.tensor(accepted, dtype=torch.long), pred
         node = nxt
         accepted.append(node)
 
 
 def verify_sampling(
-    tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator | None = None
+    tree: DraftTree, target_probs: torch.Tensor | LazyRows, generator: torch.Generator | None = None
 ) -> tuple[torch.Tensor, int]:
     """Multi-candidate rejection sampling over a tree of deterministic (top-k) drafts; exactly lossless.
 
-    ``target_probs`` [N, V]: the target's warped distributions (see :func:`logits_to_probs`). Random numbers come
-    from ``generator`` (its device is used for the arithmetic). Returns (accepted node indices incl. the root,
-    the next token).
+    ``target_probs`` [N, V] (or a :class:`LazyRows`, read at the visited nodes only): the target's warped
+    distributions (see :func:`logits_to_probs`). Random numbers come from ``generator`` (its device is used for
+    the arithmetic). Returns (accepted node indices incl. the root, the next token).
     """
     device = generator.device if generator is not None else torch.device("cpu")
     tokens = tree.tokens.tolist()

@@ -151,6 +151,85 @@ def test_eagle3_loss_matches_hand_computation():
     assert not metrics["loss"].requires_grad and loss.requires_grad
 
 
+@torch.no_grad()
+def old_full_logit_loss(head, batch, lm_head, steps: int, decay: float) -> tuple[float, list[float]]:
+    """The former computation: full target logits over the whole vocabulary, then gathered at the draft ids."""
+    ids, am, lm = batch["input_ids"], batch["attention_mask"].bool(), batch["loss_mask"].bool()
+    t = ids.shape[1]
+    full = lm_head(batch["last_hidden"]).float()
+    logp = torch.log_softmax(full[..., torch.arange(head.d2t.numel()) + head.d2t], -1)
+    outs = ttt_forward(head, ids, head.project(batch["aux_hidden"]), steps, am)
+
+    def shift(x, k):
+        return torch.cat([x[:, k:], torch.zeros_like(x[:, :k])], 1)
+
+    valid = am & shift(am, 1) & shift(am, 2)
+    total, accs = 0.0, []
+    for j, out in enumerate(outs):
+        n = t - j - 1
+        mask = (valid & shift(lm, j + 2))[:, :n]
+        logits = head.logits(out[:, :n]).float()
+        ce = -(logp[:, j + 1 :].exp() * torch.log_softmax(logits, -1)).sum(-1)
+        total += decay**j * float(ce[mask].sum() / mask.sum())
+        hit = head.draft_to_target(logits.argmax(-1)) == full.argmax(-1)[:, j + 1 :]
+        accs.append(float((hit & mask).sum() / mask.sum()))
+        valid = valid & shift(am, j + 3)
+    return total, accs
+
+
+def test_restricted_target_logits_match_full_logits_and_top1_modes():
+    head, target = setup("eagle3")
+    with torch.no_grad():
+        target.lm_head.weight.mul_(20.0)  # peaked, so a few training steps give the head some hits
+    batch = make_batch(target, [12, 9, 12], 12, seed=4)
+    # a draft vocabulary holding every top token of the batch
+    with torch.no_grad():
+        tops = target.lm_head(batch["last_hidden"]).argmax(-1).flatten()
+    counts = torch.zeros(VOCAB, dtype=torch.long)
+    counts[tops] = 1000
+    assert int((counts > 0).sum()) <= 40
+    head.set_draft_vocab(*build_draft_vocab(counts, 40, VOCAB))
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(20):
+        loss, _ = eagle3_ttt_loss(head.train(), batch, target.lm_head, ttt_steps=3, exact_top1=False)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    head.eval()
+
+    loss, exact = eagle3_ttt_loss(head, batch, target.lm_head, ttt_steps=3)
+    old_loss, old_accs = old_full_logit_loss(head, batch, target.lm_head, 3, 0.8)
+    assert loss.item() == pytest.approx(old_loss, abs=1e-5)
+    assert [exact[f"acc_{j}"].item() for j in range(3)] == pytest.approx(old_accs)
+    assert sum(old_accs) > 0  # a comparison of something, not of zeros
+    _, approx = eagle3_ttt_loss(head, batch, target.lm_head, ttt_steps=3, exact_top1=False)
+    assert approx["loss"].item() == loss.item()
+    for j in range(3):  # every top token is a draft token: both metrics agree
+        assert approx[f"acc_{j}"].item() == exact[f"acc_{j}"].item()
+
+    # a draft vocabulary missing some top tokens: the restricted metric can only add hits there
+    counts[tops[:4]] = 0
+    head.set_draft_vocab(*build_draft_vocab(counts, 40, VOCAB))
+    loss, exact = eagle3_ttt_loss(head, batch, target.lm_head, ttt_steps=3)
+    old_loss, old_accs = old_full_logit_loss(head, batch, target.lm_head, 3, 0.8)
+    assert loss.item() == pytest.approx(old_loss, abs=1e-5)
+    assert [exact[f"acc_{j}"].item() for j in range(3)] == pytest.approx(old_accs)
+    _, approx = eagle3_ttt_loss(head, batch, target.lm_head, ttt_steps=3, exact_top1=False)
+    assert all(approx[f"acc_{j}"] >= exact[f"acc_{j}"] for j in range(3))
+
+
+def test_exact_top1_argmax_in_chunks(monkeypatch):
+    import train.losses as losses
+
+    head, target = setup("eagle3")
+    batch = make_batch(target, [10, 10], 10, seed=5)
+    _, whole = eagle3_ttt_loss(head, batch, target.lm_head, ttt_steps=2)
+    # 3 positions per chunk, a ragged last one
+    monkeypatch.setattr(losses, "_ARGMAX_CHUNK_ELEMENTS", 3 * VOCAB)
+    _, chunked = eagle3_ttt_loss(head, batch, target.lm_head, ttt_steps=2)
+    assert whole == chunked
+
+
 def test_eagle1_loss_matches_hand_computation():
     head, target = setup("eagle1")
     w_reg, w_ce, t = 1.0, 0.1, 7

@@ -395,3 +395,152 @@ def test_user_errors():
         speculative_generate(model, OracleDrafter(model), prompt(), 4, TreeConfig(policy="beam"))
     with pytest.raises(EagleError, match="max_new_tokens"):
         plain_generate(model, prompt(), 0)
+
+
+# ------------------------------------------------------------------------------------------ lazy logits
+
+
+def count_lm_head_rows(model) -> list[int]:
+    """Rows fed to the target's lm_head per call, recorded by a forward hook (remove with .handle.remove())."""
+    rows: list[int] = []
+
+    def hook(module, args, output):
+        rows.append(output.reshape(-1, output.shape[-1]).shape[0])
+
+    count_lm_head_rows.handle = model.get_output_embeddings().register_forward_hook(hook)
+    return rows
+
+
+class Recording:
+    """Wraps a drafter and records, per verification it is told of: the tree, the accepted nodes and the rows
+    the target's lm_head made in between (``rows`` as filled by :func:`count_lm_head_rows`; drafting with the
+    target itself happens before the mark)."""
+
+    def __init__(self, inner, rows: list[int]):
+        self.inner, self.rows, self.steps = inner, rows, []
+
+    def prefill(self, input_ids, hidden_states, next_token):
+        self.inner.prefill(input_ids, hidden_states, next_token)
+
+    def draft(self, root_token, tree_cfg):
+        self.tree = self.inner.draft(root_token, tree_cfg)
+        self.mark = len(self.rows)
+        return self.tree
+
+    def accept(self, accepted, hidden_states, next_tokens):
+        self.steps.append((self.tree.to("cpu"), accepted.tolist(), self.rows[self.mark :]))
+        self.inner.accept(accepted, hidden_states, next_tokens)
+
+
+def first_child_path(tree) -> list[int]:
+    path = [0]
+    while tree.children(path[-1]):
+        path.append(tree.children(path[-1])[0])
+    return path
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-mixed", "mistral-window"])
+def test_lazy_logits_equal_full_logits(name):
+    from eagle.speculate import _LOGIT_MAPS
+
+    model = target(name)
+    _LOGIT_MAPS.pop(model, None)
+    runs = {}
+    for lazy in (True, False):
+        rows = count_lm_head_rows(model)
+        # the noisy oracle: acceptance goes through first children and through later ones
+        drafters = [Recording(NoisyOracle(model), rows), Recording(NoisyOracle(model), rows)]
+        try:
+            greedy = speculative_generate(
+                model,
+                drafters[0],
+                prompt(1),
+                N_NEW,
+                TREES["dynamic"],
+                eos_token_ids=eos_ids(model),
+                lazy_logits=lazy,
+            )
+            sampled = speculative_generate(
+                model,
+                drafters[1],
+                prompt(2),
+                N_NEW,
+                TREES["dynamic"],
+                temperature=0.9,
+                top_p=0.95,
+                generator=torch.Generator().manual_seed(3),
+                lazy_logits=lazy,
+            )
+        finally:
+            count_lm_head_rows.handle.remove()
+        runs[lazy] = (greedy, sampled, drafters[0].steps + drafters[1].steps)
+    (g_lazy, s_lazy, steps), (g_full, s_full, full_steps) = runs[True], runs[False]
+    check_result(g_lazy, reference(name, 1))
+    assert g_lazy.tokens == g_full.tokens and g_lazy.accept_lengths == g_full.accept_lengths
+    assert s_lazy.tokens == s_full.tokens and s_lazy.accept_lengths == s_full.accept_lengths
+    assert _LOGIT_MAPS[model] is not None
+    # lazy: each verification forward makes the rows of the first-child path only; verification then makes
+    # one row for each accepted node off that path (the last accepted node gives the bonus / residual sample)
+    off_path = 0
+    for tree, accepted, made in steps:
+        path = first_child_path(tree)
+        extra = len(set(accepted) - set(path))
+        assert made == [len(path)] + [1] * extra
+        off_path += extra
+    assert len(steps) >= 4 and off_path > 0  # both kinds of rows were exercised
+    # full: every node of every tree, in the forward
+    assert all(made == [tree.size] for tree, _, made in full_steps)
+
+
+def tiny_postprocessed(kind: str) -> torch.nn.Module:
+    """Tiny targets whose logits are post-processed: Gemma-2 soft-capping, Cohere logit_scale, Granite
+    logits_scaling, and a Llama whose config names a soft-capping that Llama does not apply."""
+    from transformers import CohereConfig, Gemma2Config, GraniteConfig
+
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    cfg = {
+        "gemma2": lambda: Gemma2Config(**common, final_logit_softcapping=2.0, sliding_window=6),
+        "cohere": lambda: CohereConfig(**common, logit_scale=0.5),
+        "granite": lambda: GraniteConfig(**common, logits_scaling=4.0),
+        "llama-unapplied-cap": lambda: tiny_config("llama"),
+    }[kind]()
+    if kind == "llama-unapplied-cap":
+        cfg.initializer_range = 0.2
+        cfg.final_logit_softcapping = 2.0
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval().requires_grad_(False)
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite", "llama-unapplied-cap"])
+def test_lazy_logits_apply_postprocessing_or_fall_back(kind):
+    from eagle.speculate import _LOGIT_MAPS
+
+    model = tiny_postprocessed(kind)
+    ids = prompt()
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16)
+    res = speculative_generate(model, OracleDrafter(model), ids, 16, TREES["dynamic"])
+    assert res.tokens == ref[0, ids.shape[1] :].tolist()
+    logit_map = _LOGIT_MAPS[model]
+    if kind == "llama-unapplied-cap":
+        assert logit_map is None  # the configured cap does not reproduce the model's logits: full logits
+        return
+    # the map reproduces the model's logits at every position, not just the checked one
+    out = model(ids, output_hidden_states=True)
+    lazy = logit_map(out.hidden_states[-1][0])
+    torch.testing.assert_close(lazy, out.logits[0], atol=1e-5, rtol=1e-5)
+    raw = model.get_output_embeddings()(out.hidden_states[-1][0])
+    assert (raw - out.logits[0]).abs().max() > 1e-2  # the post-processing mattered

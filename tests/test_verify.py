@@ -9,7 +9,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from eagle.tree import DraftTree, tree_from_parents
-from eagle.verify import logits_to_probs, verify_greedy, verify_sampling
+from eagle.verify import LazyRows, logits_to_probs, verify_greedy, verify_sampling
 
 V = 5
 
@@ -207,3 +207,29 @@ def test_sampling_with_one_hot_target_equals_greedy():
         greedy = verify_greedy(tree, logits)
         sampled = verify_sampling(tree, logits_to_probs(logits, 0.0), torch.Generator().manual_seed(seed))
         assert sampled[0].tolist() == greedy[0].tolist() and sampled[1] == greedy[1]
+
+
+def test_lazy_rows_read_only_the_visited_nodes():
+    tree = TREES[2]
+    lengths = set()
+    for seed in range(6):
+        logits = torch.randn(tree.size, V, generator=torch.Generator().manual_seed(seed))
+        logits[0, 1] += 5  # the root's argmax is drafted child 1 (node 1), whose argmax may be drafted too
+        lazy = LazyRows(logits.__getitem__)
+        accepted, bonus = verify_greedy(tree, lazy)
+        ref_accepted, ref_bonus = verify_greedy(tree, logits)
+        assert accepted.tolist() == ref_accepted.tolist() and bonus == ref_bonus
+        assert lazy.computed == accepted.tolist()  # the accepted path, root first, nothing else
+        lengths.add(accepted.numel())
+        probs = logits_to_probs(logits, 0.8)
+        lazy = LazyRows(probs.__getitem__)
+        a = verify_sampling(tree, lazy, torch.Generator().manual_seed(seed))
+        b = verify_sampling(tree, probs, torch.Generator().manual_seed(seed))
+        assert a[0].tolist() == b[0].tolist() and a[1] == b[1]
+        assert lazy.computed == a[0].tolist()
+        lengths.add(a[0].numel())
+    assert len(lengths) > 1  # both short and longer accepted paths were exercised
+    calls = []
+    rows = LazyRows(lambda node: calls.append(node) or torch.zeros(V))
+    rows[3], rows[3], rows[1]
+    assert calls == [3, 1] and rows.computed == [3, 1]

@@ -37,6 +37,41 @@ def _target_logits(target_lm_head: nn.Module, hidden: torch.Tensor) -> torch.Ten
         return target_lm_head(hidden).float()
 
 
+# fp32 logits per chunk (positions x vocabulary) when the full-vocabulary argmax is needed
+_ARGMAX_CHUNK_ELEMENTS = 1 << 25
+
+
+def _target_logits_at(target_lm_head: nn.Module, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The target's logits at vocabulary ids ``ids`` only (fp32, no grad): ``hidden @ W[ids].T (+ b[ids])``.
+
+    Equals ``_target_logits(...)[..., ids]`` up to rounding at a fraction of the cost (len(ids) of the
+    vocabulary's rows). Falls back to the full logits for an lm_head without a plain ``weight`` matrix."""
+    weight = getattr(target_lm_head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return _target_logits(target_lm_head, hidden)[..., ids.to(hidden.device)]
+    bias = getattr(target_lm_head, "bias", None)
+    with torch.no_grad():
+        rows = ids.to(weight.device)
+        # the gather is a small copy (draft_vocab x h) next to the matmul, so it is redone every call rather
+        # than cached: the head's d2t may change (set_draft_vocab, DDP buffer broadcasts)
+        w = weight.index_select(0, rows)
+        b = None if bias is None else bias.index_select(0, rows)
+        hidden = hidden.to(device=weight.device, dtype=weight.dtype)
+        return F.linear(hidden, w, b).float()
+
+
+def _target_argmax(target_lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The target's argmax over its full vocabulary, computed a chunk of positions at a time so the fp32 logits
+    of the whole batch never exist at once."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    vocab = getattr(getattr(target_lm_head, "weight", None), "shape", (1,))[0]
+    chunk = max(1, _ARGMAX_CHUNK_ELEMENTS // max(int(vocab), 1))
+    tops = [_target_logits(target_lm_head, part).argmax(-1) for part in flat.split(chunk)]
+    if not tops:
+        return torch.zeros(hidden.shape[:-1], dtype=torch.long, device=hidden.device)
+    return torch.cat(tops).reshape(hidden.shape[:-1]).to(hidden.device)
+
+
 def add_feature_noise(features: torch.Tensor, noise_std: float) -> torch.Tensor:
     """EAGLE's feature augmentation: uniform noise in [-noise_std/2, noise_std/2)."""
     if noise_std <= 0:
@@ -106,6 +141,7 @@ def eagle3_ttt_loss(
     ttt_steps: int = 3,
     step_decay: float = 0.8,
     noise_std: float = 0.0,
+    exact_top1: bool = True,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-3 training-time-test loss: ``sum_j step_decay**j * CE_j`` over ``ttt_steps`` unrolled steps.
 
@@ -115,8 +151,15 @@ def eagle3_ttt_loss(
     draft vocabulary: there the head still learns the best draft-vocab approximation. Counted where
     ``loss_mask[i+j+2]`` is set and tokens i..i+j+2 are real; each step is a mean over its own count.
 
-    Metrics: ``loss``, per step ``loss_j``, ``acc_j`` (head argmax mapped to target ids == the target's argmax over
-    its full vocabulary) and ``count_j``.
+    Only the target's logits at the draft ids are computed for the CE (``last_hidden @ W[draft_ids].T``), not
+    the full ``lm_head`` over the whole vocabulary.
+
+    Metrics: ``loss``, per step ``loss_j``, ``acc_j`` and ``count_j``. ``acc_j``: the head's argmax mapped to
+    target ids equals the target's top token. With ``exact_top1`` (evaluation) that is the target's argmax over
+    its full vocabulary, computed in chunks; without it (the training step) it is the argmax of the
+    draft-restricted target logits, so the full lm_head is never run. The two agree wherever the target's top
+    token is in the draft vocabulary (barring exact ties); elsewhere the exact metric is a miss (the head can
+    only predict draft tokens) while the restricted one may count a hit, so the restricted one is an upper bound.
     """
     ids = batch["input_ids"]
     am, lm = _masks(batch)
@@ -125,11 +168,14 @@ def eagle3_ttt_loss(
     if head.training:
         aux = add_feature_noise(aux.float(), noise_std)
     hidden = head.project(aux)
-    target_logits = _target_logits(target_lm_head, batch["last_hidden"]).to(ids.device)
-    target_top = target_logits.argmax(-1)
     draft_ids = torch.arange(head.d2t.numel(), device=ids.device) + head.d2t.to(ids.device)
-    target_logp = torch.log_softmax(target_logits[..., draft_ids], dim=-1)
-    del target_logits
+    draft_logits = _target_logits_at(target_lm_head, batch["last_hidden"], draft_ids).to(ids.device)
+    if exact_top1:
+        target_top = _target_argmax(target_lm_head, batch["last_hidden"]).to(ids.device)
+    else:
+        target_top = draft_ids[draft_logits.argmax(-1)]
+    target_logp = torch.log_softmax(draft_logits, dim=-1)
+    del draft_logits
 
     outs = ttt_forward(head, ids, hidden, ttt_steps, None if bool(am.all()) else am)
     valid = am & _shift(am, 1, False) & _shift(am, 2, False)

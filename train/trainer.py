@@ -190,8 +190,15 @@ class HeadWithLoss(nn.Module):
 
         cfg = self.cfg
         if self.kind == "eagle3":
+            # training: accuracy against the draft-restricted target argmax (no full lm_head); eval: exact
             return eagle3_ttt_loss(
-                self.head, batch, self._lm_head[0], cfg.ttt_steps, cfg.step_decay, cfg.noise_std
+                self.head,
+                batch,
+                self._lm_head[0],
+                cfg.ttt_steps,
+                cfg.step_decay,
+                cfg.noise_std,
+                exact_top1=not self.training,
             )
         return eagle1_loss(self.head, batch, self._lm_head[0], cfg.reg_weight, cfg.ce_weight, cfg.noise_std)
 
@@ -863,6 +870,7 @@ class _Run:
                 if cfg.on_nonfinite == "stop":
                     raise _nonfinite_error("the loss", state["global_step"] + 1)
                 self.skipped += 1
+                self._say_skipped("the loss", state["global_step"] + 1)
                 loss, metrics = self.unwrapped.zero_loss(), {}
             acc.backward(loss)
             step_ok = True
@@ -874,11 +882,21 @@ class _Run:
                         if cfg.on_nonfinite == "stop":
                             raise _nonfinite_error("the gradient norm", state["global_step"] + 1)
                         self.skipped += 1
+                        self._say_skipped("the gradient norm", state["global_step"] + 1)
                         step_ok = False
             if step_ok:
                 self.optimizer.step()
             self.optimizer.zero_grad()
         return metrics
+
+    def _say_skipped(self, what: str, step: int) -> None:
+        if self.main:
+            print(
+                f"train: {what} is not finite at step {step}: skipped that batch (train.on_nonfinite=skip; "
+                "set it to stop to halt instead); metrics.jsonl counts skipped batches",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def _log_train(self, step: int, lr: float, usable: int) -> None:
         now = time.perf_counter()
@@ -981,10 +999,11 @@ class _Run:
             weights, config = ck.load_head_files(self.last_ckpt)
             tmp = self.out / ".final.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-            ck.save_head_files(tmp, weights, config, self.vocab)
-            info = {"global_step": step, "checkpoint": self.last_ckpt.name, "eval": self.eval_metrics}
-            ck.write_json_atomic(info, tmp / "train_info.json")
+            with ck.write_guard(f"the final head {final_dir}", tmp):  # the old final/ stays until replaced
+                tmp.mkdir()
+                ck.save_head_files(tmp, weights, config, self.vocab)
+                info = {"global_step": step, "checkpoint": self.last_ckpt.name, "eval": self.eval_metrics}
+                ck.write_json_atomic(info, tmp / "train_info.json")
             ck.replace_dir(tmp, final_dir)
         self.logger.close(plot=True)
         self.accelerator.wait_for_everyone()
