@@ -162,7 +162,7 @@ def arm_collection(inj: Injector, patch: Callable = setattr) -> None:
 
     patch(collect._ShardWriter, "write_rows", inj.wrap(collect._ShardWriter.write_rows))
     patch(collect._ShardWriter, "close", inj.wrap(collect._ShardWriter.close))
-    patch(collect, "_write_json_atomic", inj.wrap(collect._write_json_atomic))
+    patch(collect, "write_json_atomic", inj.wrap(collect.write_json_atomic))
 
 
 def child(argv: list[str]) -> int:

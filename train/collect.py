@@ -39,6 +39,7 @@ import torch
 from safetensors import safe_open
 
 from eagle.errors import EagleError
+from train.checkpoint import fsync_dir, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -95,35 +96,8 @@ class CollectConfig:
 # small file helpers
 
 
-def _fsync_dir(path: Path) -> None:
-    """Make a rename durable (best effort: not every platform can open a directory)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _tmp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
-
-
-def _write_json_atomic(data: Any, path: Path) -> None:
-    tmp = _tmp_name(path)
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
 
 
 def _read_json(path: Path) -> dict | None:
@@ -506,7 +480,7 @@ def _collect_shard(
         writer.close()
         sha = sha256_file(tmp)
         os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        fsync_dir(final.parent)
     finally:
         writer.abort()
         tmp.unlink(missing_ok=True)
@@ -635,7 +609,7 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
         for stale in out.glob(".manifest.json.tmp-*"):
             stale.unlink(missing_ok=True)
         kept = {k: v for k, v in ((old or {}).get("splits") or {}).items() if k not in cfg.splits}
-        _write_json_atomic(
+        write_json_atomic(
             {
                 **header,
                 "complete": False,
@@ -653,7 +627,7 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
     entries, todo = _scan_finished(out, mine, header, split_info, known)
 
     def save_progress() -> None:
-        _write_json_atomic(
+        write_json_atomic(
             {"rank": rank, "world": world, "splits": {k: {"shards": v} for k, v in entries.items()}},
             progress_path,
         )
@@ -751,7 +725,7 @@ def _merge(
         }
     bpt = bytes_per_token(len(header["aux_layers"]), header["hidden_size"], header["dtype"])
     manifest = {**header, "complete": True, "bytes_per_token": bpt, "splits": result_splits}
-    _write_json_atomic(manifest, out / "manifest.json")
+    write_json_atomic(manifest, out / "manifest.json")
     for path in out.glob("manifest.r*.json"):
         path.unlink(missing_ok=True)
     return manifest
