@@ -19,6 +19,7 @@ of N (a dynamic tree runs ``depth`` head steps whatever its budget).
 
 from __future__ import annotations
 
+import inspect
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -138,11 +139,19 @@ def _sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def measure_verify_ms(
-    model: torch.nn.Module, sizes: Sequence[int], cache_len: int, repeats: int = 3, seed: int = 0
+    model: torch.nn.Module,
+    sizes: Sequence[int],
+    cache_len: int,
+    repeats: int = 3,
+    seed: int = 0,
+    logit_rows: int | None = None,
 ) -> dict[int, float]:
     """Median milliseconds of one target forward over ``size`` tree tokens after a ``cache_len`` cache.
 
-    Sizes are interleaved within each repeat (after one untimed round) so that drift affects them alike.
+    ``logit_rows``: how many rows of logits the forward computes, as the decoding loop's lazy logits do (the
+    tree's likely path: depth + 1 rows); None computes them for every token. Ignored by models whose forward
+    takes no ``logits_to_keep``. Sizes are interleaved within each repeat (after one untimed round) so that
+    drift affects them alike.
     """
     from eagle.targets import cache_kwarg
 
@@ -155,12 +164,14 @@ def measure_verify_ms(
     prompt = torch.randint(3, vocab, (1, max(cache_len, 1)), generator=gen)
     model(prompt.to(device), use_cache=True, **{kw: cache})
     prefix = prompt.shape[1]
+    lazy = logit_rows is not None and "logits_to_keep" in inspect.signature(type(model).forward).parameters
     times: dict[int, list[float]] = {int(s): [] for s in sizes}
     for rep in range(repeats + 1):
         for size in times:
             tokens = torch.randint(3, vocab, (size,), generator=gen)
             tree = tree_from_parents(tokens, [-1] + list(range(size - 1))).to(device)  # a chain: same cost
             mask = tree_attention_mask(tree, prefix, None, dtype)
+            rows = torch.arange(min(size, logit_rows), device=device) if lazy else None
             _sync(device)
             t0 = time.perf_counter()
             model(
@@ -170,6 +181,7 @@ def measure_verify_ms(
                 use_cache=True,
                 output_hidden_states=True,
                 **{kw: cache},
+                **({"logits_to_keep": rows} if rows is not None else {}),
             )
             _sync(device)
             if rep > 0:
@@ -249,7 +261,8 @@ def autotune_total_tokens(
     if not recorder.steps:
         notes.append("the calibration run made no recorded step (it stopped at once); assuming tau = 1")
 
-    verify = measure_verify_ms(model, [1, *sizes], cache_len, repeats)
+    # the loop computes logits for the tree's likely path only (lazy logits): time the same forward
+    verify = measure_verify_ms(model, [1, *sizes], cache_len, repeats, logit_rows=tree_cfg.depth + 1)
     table = []
     for s in sizes:
         tau = sum(taus[s]) / len(taus[s]) if taus[s] else 1.0

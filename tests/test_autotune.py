@@ -117,6 +117,20 @@ def test_measure_verify_ms_times_every_size(model):
     assert set(times) == {1, 4, 16} and all(t > 0 for t in times.values())
 
 
+def test_measure_verify_ms_computes_the_lazy_logit_rows_only(model):
+    rows = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: rows.append(i[0].shape[-2]))
+    try:
+        measure_verify_ms(model, [4, 16], cache_len=20, repeats=1, logit_rows=3)
+        lazy = rows[1:]  # the first call is the cache's prefill
+        rows.clear()
+        measure_verify_ms(model, [4, 16], cache_len=20, repeats=1)
+        full = rows[1:]
+    finally:
+        hook.remove()
+    assert lazy == [3, 3] * 2 and full == [4, 16] * 2
+
+
 def test_autotune_with_oracle_matches_exact_acceptance(model):
     prompts = [torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(s)) for s in (0, 1)]
     tree = TreeConfig(policy="dynamic", depth=2, top_k=2, total_tokens="auto")

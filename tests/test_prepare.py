@@ -203,7 +203,13 @@ def test_stdlib_code_prompts():
     prompts = S.stdlib_code_prompts()
     assert 300 <= len(prompts) <= 1500
     texts = [p[0]["content"] for p in prompts]
-    assert len(set(texts)) == len(texts) and all(t.startswith("Write a Python") for t in texts)
+    assert len(set(texts)) == len(texts)
+    stubs = [t for t in texts if t.startswith("Complete the following Python function.\n\n```python\ndef ")]
+    assert len(stubs) >= len(texts) // 3 and all(t.endswith('    """\n```') for t in stubs)
+    assert all(t.startswith("Write a Python") for t in texts if t not in stubs)
+    # any prefix spans the library: the first 60 requests name callables of at least 30 modules or classes
+    ids = [k for k, _ in S._stdlib_items()[:60]]
+    assert len({k.rsplit(".", 1)[0] for k in ids}) >= 30
     assert all(p == [{"role": "user", "content": p[0]["content"]}] for p in prompts)
     assert any("dedent(text)" in t for t in texts)
     with pytest.raises(EagleError, match="regenerate=true"):

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import importlib
 import importlib.util
 import inspect
 import json
 import re
 import sys
+import textwrap
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -327,8 +329,21 @@ def _clean_signature(signature: str) -> str:
     return signature.replace(", /)", ")").replace("(/)", "()").replace(", /,", ",")
 
 
+def _function_stub(head: str, para: str) -> str:
+    """A ``def`` line plus a docstring: the shape of a "complete this function" request."""
+    name_sig = head.strip("`")
+    doc = textwrap.fill(para, width=72, initial_indent="    ", subsequent_indent="    ")
+    return f'def {name_sig}:\n    """\n{doc}\n    """\n'
+
+
 def _stdlib_request(index: int, module: str, head: str, para: str, kind: str, like: str | None = None) -> str:
-    """Turn one docstring paragraph into a user request; a few phrasings, chosen by index, for variety."""
+    """Turn one docstring paragraph into a user request; a few phrasings, chosen by index, for variety.
+
+    Two functions in three become a stub to complete (signature + docstring in a code block), the form of the
+    common code benchmarks' prompts; the rest are written requests. ``index`` counts items of the same kind.
+    """
+    if kind == "function" and index % 3 != 2:
+        return f"Complete the following Python function.\n\n```python\n{_function_stub(head, para)}```"
     first, _, rest = para.partition(" ")
     if like is not None:
         body = f"Write a Python function {head} that behaves like `{like}`: {para}"
@@ -336,9 +351,9 @@ def _stdlib_request(index: int, module: str, head: str, para: str, kind: str, li
         body = f"Write a Python function {head} that {_conjugate(first)} {rest}"
     else:
         body = f"Write a Python {kind} {head} as described here: {para}"
-    if index % 3 == 1:
+    if index % 4 == 1:
         body += f" Do not use `{like or module}`; implement it yourself."
-    elif index % 3 == 2:
+    elif index % 4 == 3:
         body += " Include a docstring and a short usage example."
     return body
 
@@ -417,20 +432,33 @@ def _method_requests(qualname: str) -> Iterator[tuple[str, str, str, str, str | 
         )
 
 
+def _round_robin(groups: list[list[Any]]) -> list[Any]:
+    """One item from each group in turn, so that any prefix of the result spans all groups."""
+    out: list[Any] = []
+    for i in range(max((len(g) for g in groups), default=0)):
+        out += [g[i] for g in groups if i < len(g)]
+    return out
+
+
 @functools.lru_cache(maxsize=1)
 def _stdlib_items() -> tuple[tuple[str, str], ...]:
-    """``(id, request)`` pairs from the documented public callables of the standard library, deduplicated."""
+    """``(id, request)`` pairs from the documented public callables of the standard library, deduplicated.
+
+    Modules and classes are interleaved, so that ``stdlib-code:N`` covers the whole library, not its first modules.
+    """
     seen: set[tuple[str, str]] = set()
     items: list[tuple[str, str]] = []
-    candidates = [r for m in STDLIB_MODULES for r in _module_requests(m)]
-    candidates += [r for c in STDLIB_METHOD_CLASSES for r in _method_requests(c)]
-    for item_id, head, para, kind, like in candidates:
+    groups = [sorted(_module_requests(m), key=lambda r: r[3] != "function") for m in STDLIB_MODULES]
+    groups += [list(_method_requests(c)) for c in STDLIB_METHOD_CLASSES]
+    per_kind: dict[str, int] = {}
+    for item_id, head, para, kind, like in _round_robin(groups):
         key = (head.split("(")[0], para)
         if key in seen:
             continue
         seen.add(key)
         module = item_id.rsplit(".", 1)[0]
-        items.append((item_id, _stdlib_request(len(items), module, head, para, kind, like)))
+        index = per_kind[kind] = per_kind.get(kind, -1) + 1
+        items.append((item_id, _stdlib_request(index, module, head, para, kind, like)))
     return tuple(items)
 
 
@@ -572,7 +600,7 @@ def source_stamp(spec: str) -> Any:
     """What a source's content depends on, for cache keys: file size + mtime, or the package / Python version."""
     parsed = parse_source_spec(spec)
     if parsed.kind == "stdlib-code":
-        return [sys.version_info[:2], len(_stdlib_items())]
+        return [sys.version_info[:2], hashlib.sha256(repr(_stdlib_items()).encode()).hexdigest()[:16]]
     if parsed.kind == "chitchat":
         return _package_file("chitchat_dataset", "dataset.json", "chitchat-dataset==0.9.0").stat().st_size
     path = Path(parsed.arg)
