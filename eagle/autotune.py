@@ -245,7 +245,8 @@ def autotune_total_tokens(
 
     # acceptance with the largest candidate tree, greedy
     recorder = _RecordingDrafter(drafter)
-    big = replace(tree_cfg, total_tokens=sizes[-1])
+    # without the lookup branch: it comes on top of the budget, and its nodes have no draft rank
+    big = replace(tree_cfg, total_tokens=sizes[-1], lookup_ngram=0)
     draft_s, steps = 0.0, 0
     for ids in prompts:
         res = speculative_generate(

@@ -17,11 +17,8 @@ pools all verification steps; ``acceptance_length_median`` is the median of the 
 from __future__ import annotations
 
 import datetime
-import json
-import os
 import statistics
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -32,8 +29,9 @@ import torch
 from eagle.autotune import DEFAULT_CANDIDATES, autotune_total_tokens, max_tree_nodes
 from eagle.drafter import Drafter, HeadDrafter
 from eagle.errors import EagleError
+from eagle.fileio import write_json_atomic
 from eagle.speculate import GenerationResult, plain_generate, speculative_generate
-from eagle.tree import TreeConfig
+from eagle.tree import TreeConfig, deepest_draft
 
 METHODS = ("speculative", "plain", "prompt_lookup")
 
@@ -57,6 +55,9 @@ class EvalConfig:
     prompt_lookup_num_tokens: int = 10
     report: str = "{run_dir}/eval/report.json"
     warmup: int = 1  # untimed warm-up generations per method before the timed ones
+    # on a CPU: swap the target's and the head's fp32 linear layers for oneDNN ones with prepacked weights
+    # (eagle.targets.prepack_for_cpu) -- tree verification gets cheaper; plain decoding uses the same model
+    cpu_prepack: bool = False
 
     def validate(self) -> EvalConfig:
         """Raise EagleError naming the bad key and the fix; return self."""
@@ -361,12 +362,13 @@ def _load_head(draft: str, target: Any) -> torch.nn.Module:
 
 
 def _tree_tokens(tree: TreeConfig) -> int:
-    """Nodes (root included) a verification forward of this tree holds at most."""
+    """Nodes (root included) a verification forward of this tree holds at most (with its lookup branch)."""
+    lookup = deepest_draft(tree) if tree.lookup_ngram else 0
     if tree.policy == "chain":
-        return tree.depth + 1
+        return tree.depth + 1 + lookup
     if tree.policy == "static":
-        return len(tree.static_paths or []) + 1
-    return int(tree.total_tokens)
+        return len(tree.static_paths or []) + 1 + lookup
+    return int(tree.total_tokens) + lookup
 
 
 def _max_positions(target: Any) -> int | None:
@@ -402,25 +404,6 @@ def _tree_report(tree: TreeConfig, requested: Any, autotune: dict | None) -> dic
 # --------------------------------------------------------------------------------------------- I/O
 
 
-def write_json_atomic(data: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Write JSON through a temporary file in the same folder and a rename (never half a report)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # a unique name opened normally (not mkstemp, whose 0600 mode would stick to the report)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            json.dump(data, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
@@ -434,6 +417,8 @@ def print_report_table(report: dict[str, Any], console: Any = None) -> None:
     console = console or Console()
     tree = report["tree"]
     size = f", {tree['total_tokens']} tokens" if tree["policy"] == "dynamic" else ""
+    if tree.get("lookup_ngram"):
+        size += " + lookup branch"
     table = Table(
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
@@ -486,7 +471,8 @@ def evaluate(
 
     The head comes from ``cfg.draft`` (an exported draft directory) unless ``head`` (attached to the target) or
     a ready ``drafter`` (e.g. :class:`eagle.drafter.OracleDrafter`) is given. Every check that can fail (draft
-    head, prompts, context length) runs before any generation.
+    head, prompts, context length) runs before any generation. With ``cfg.cpu_prepack`` on a CPU the target's
+    (and head's) linear layers are swapped in place for prepacked ones: the target stays usable for inference.
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -510,6 +496,14 @@ def evaluate(
         drafter = HeadDrafter(head)
     elif head is None:
         head_path = f"in-memory {type(drafter).__name__}"
+
+    prepacked = 0
+    if cfg.cpu_prepack and target.device.type == "cpu":
+        from eagle.targets import prepack_for_cpu
+
+        prepacked = prepack_for_cpu(target.model)  # changes the caller's target: documented above
+        if isinstance(drafter, HeadDrafter):
+            prepacked += prepack_for_cpu(drafter.head)
 
     sets = load_prompt_sets(cfg, target.tokenizer)
     eos = eos_token_ids(target)
@@ -621,6 +615,7 @@ def evaluate(
             "prompt_lookup": cfg.prompt_lookup,
             "prompt_lookup_num_tokens": cfg.prompt_lookup_num_tokens,
             "eos_token_ids": eos,
+            "cpu_prepacked_layers": prepacked,
         },
         "tree": _tree_report(tree_cfg, requested, autotune),
         "prompt_sets": {name: summarize(runs[name], cfg.temperature) for name, _ in sets},

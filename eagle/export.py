@@ -78,6 +78,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eagle.errors import EagleError
+from eagle.fileio import fsync_dir
 from eagle.heads import HeadConfig, build_head
 
 LAYOUTS = ("eagle3", "eagle1", "speculators")
@@ -470,20 +471,7 @@ def _write_atomically(out: Path, write: Callable[[Path], None]) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    _fsync_dir(out.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # not every filesystem lets a directory be synced
-    finally:
-        os.close(fd)
+    fsync_dir(out.parent)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:

@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from eagle.cache import gather_cache
 from eagle.drafter import Drafter
 from eagle.errors import EagleError
-from eagle.tree import DraftTree, TreeConfig
+from eagle.tree import DraftTree, TreeConfig, deepest_draft, graft_chain, lookup_continuation
 from eagle.verify import LazyRows, logits_to_probs, verify_greedy, verify_sampling
 
 _MASKABLE_ATTENTION = ("eager", "sdpa")
@@ -337,7 +337,7 @@ def speculative_generate(
     dtype = model.get_input_embeddings().weight.dtype
     kw = _cache_kwarg(model)
     input_ids = input_ids.to(device)
-    result = GenerationResult(tokens=[], accepted_per_depth=[0] * _max_tree_depth(tree_cfg))
+    result = GenerationResult(tokens=[], accepted_per_depth=[0] * deepest_draft(tree_cfg))
 
     t_start = time.perf_counter()
     # A full-size cache even for sliding-window layers: rejected drafts must be removable, and our masks apply
@@ -357,10 +357,16 @@ def speculative_generate(
         result.draft_time += time.perf_counter() - t0
     del out
     prefix_len = input_ids.shape[1]
+    prompt_ids = input_ids[0].tolist() if tree_cfg.lookup_ngram else []
 
     while not done:
         t0 = time.perf_counter()
         tree = drafter.draft(tokens[-1], tree_cfg).to("cpu")  # verification walks it on the CPU
+        if tree_cfg.lookup_ngram:
+            history = prompt_ids + tokens
+            tree = graft_chain(
+                tree, lookup_continuation(history, tree_cfg.lookup_ngram, deepest_draft(tree_cfg))
+            )
         _sync(device)
         t1 = time.perf_counter()
         result.draft_time += t1 - t0
@@ -407,12 +413,6 @@ def speculative_generate(
     result.tokens = tokens
     result.total_time = time.perf_counter() - t_start
     return result
-
-
-def _max_tree_depth(cfg: TreeConfig) -> int:
-    if cfg.policy == "static":
-        return max(len(p) for p in cfg.static_paths or [[0]])
-    return cfg.depth
 
 
 @torch.no_grad()

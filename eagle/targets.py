@@ -438,6 +438,29 @@ def load_target(
 # ----------------------------------------------------------------------------------------- aux layers
 
 
+def prepack_for_cpu(module: torch.nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Swap the fp32 ``nn.Linear`` layers of a frozen module on the CPU for oneDNN layers with prepacked weights.
+
+    Inference only (no gradients). On a CPU a forward over a few tokens (a draft tree) otherwise costs up to
+    ~1.7x a one-token step, mostly in re-packing the weights for every matrix product; prepacked, 12 tokens
+    cost ~1.35x (SmolLM2-135M, 2 cores, see benchmarks/TUNING.md). Layers named in ``skip`` stay (the target's
+    ``lm_head`` is tied to its embeddings and multiplies one row or a few). Returns how many layers were
+    swapped: 0, with nothing changed, off the CPU, in other dtypes, or without oneDNN.
+    """
+    from torch.utils.mkldnn import MkldnnLinear
+
+    params = list(module.parameters())
+    if not torch.backends.mkldnn.is_available() or not params or params[0].device.type != "cpu":
+        return 0
+    swapped = 0
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear and name not in skip and child.weight.dtype == torch.float32:
+                setattr(parent, name, MkldnnLinear(child, torch.float32))
+                swapped += 1
+    return swapped
+
+
 def default_aux_layers(num_layers: int) -> list[int]:
     """EAGLE-3 default layer ids ``[2, L // 2, L - 3]``; tiny models get distinct ids clamped into 1..L."""
     if num_layers < 1:

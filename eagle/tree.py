@@ -9,7 +9,7 @@ head and for the oracle drafter used in tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +30,11 @@ class TreeConfig:
     "choices": each path lists child ranks from the root, e.g. ``[[0], [1], [0, 0]]``). ``dynamic``: EAGLE-2,
     expand the ``top_k`` best nodes per depth, keep the ``total_tokens - 1`` best drafts overall (``"auto"``:
     small on CPU, large on accelerators, see :func:`resolve_total_tokens`).
+
+    ``lookup_ngram`` > 0 adds a prompt-lookup branch to every tree (on top of the node budget): the tokens that
+    followed the latest earlier occurrence of the context's last n-gram (n = lookup_ngram down to 1), up to the
+    tree's depth, merged into the drafted tree. It catches what the context repeats (code that restates the
+    prompt, quoted names) and never changes the output: verification treats it as any other draft.
     """
 
     policy: str = "dynamic"
@@ -37,9 +42,14 @@ class TreeConfig:
     top_k: int = 4
     total_tokens: int | str = 16
     static_paths: list[list[int]] | None = None
+    lookup_ngram: int = 0
 
     def validate(self) -> TreeConfig:
         """Raise EagleError on an inconsistent configuration; return self."""
+        if not isinstance(self.lookup_ngram, int) or self.lookup_ngram < 0:
+            raise EagleError(
+                f"tree lookup_ngram must be an integer >= 0 (0 = no prompt-lookup branch), got {self.lookup_ngram!r}"
+            )
         if self.policy not in POLICIES:
             raise EagleError(f"tree policy {self.policy!r} is unknown; use one of {', '.join(POLICIES)}")
         if self.policy == "static":
@@ -65,6 +75,47 @@ class TreeConfig:
             if total != "auto" and (not isinstance(total, int) or total < 2):
                 raise EagleError(f"tree total_tokens must be 'auto' or an integer >= 2, got {total!r}")
         return self
+
+
+def deepest_draft(cfg: TreeConfig) -> int:
+    """The deepest draft a tree of this configuration can hold."""
+    if cfg.policy == "static":
+        return max(len(p) for p in cfg.static_paths or [[0]])
+    return cfg.depth
+
+
+def lookup_continuation(history: Sequence[int], max_ngram: int, num_tokens: int) -> list[int]:
+    """Prompt lookup: up to ``num_tokens`` tokens that followed the latest earlier occurrence of the last n-gram
+    of ``history`` (trying n = max_ngram down to 1); [] when nothing matches."""
+    length = len(history)
+    for n in range(min(max_ngram, length - 1), 0, -1):
+        tail = list(history[length - n :])
+        for start in range(length - n - 1, -1, -1):
+            if history[start] == tail[0] and list(history[start : start + n]) == tail:
+                return list(history[start + n : start + n + num_tokens])
+    return []
+
+
+def graft_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
+    """``tree`` with the token path ``chain`` below its root: existing nodes are reused where the chain follows
+    them, new nodes go after the old ones (so they are tried after the drafted siblings) with draft log-prob 0."""
+    if not chain:
+        return tree
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    logprobs = None if tree.draft_logprobs is None else tree.draft_logprobs.tolist()
+    node = 0
+    for tok in chain:
+        child = next((c for c in tree.children(node) if tokens[c] == tok), None) if node < tree.size else None
+        if child is None:
+            tokens.append(int(tok))
+            parents.append(node)
+            if logprobs is not None:
+                logprobs.append(0.0)
+            child = len(tokens) - 1
+        node = child
+    if len(tokens) == tree.size:
+        return tree
+    return tree_from_parents(tokens, parents, logprobs)
 
 
 def resolve_total_tokens(total_tokens: int | str, device: torch.device | str) -> int:

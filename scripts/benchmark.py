@@ -46,12 +46,13 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
 
 
 def _tree_text(tree: dict[str, Any]) -> str:
+    lookup = " + lookup" if tree.get("lookup_ngram") else ""
     if tree.get("policy") == "chain":
-        return f"chain d{tree['depth']}"
+        return f"chain d{tree['depth']}{lookup}"
     if tree.get("policy") == "static":
-        return f"static {tree.get('tree_tokens')} nodes"
+        return f"static {tree.get('tree_tokens')} nodes{lookup}"
     auto = " (auto)" if tree.get("total_tokens_requested") == "auto" else ""
-    return f"dynamic d{tree['depth']} k{tree['top_k']} n{tree['total_tokens']}{auto}"
+    return f"dynamic d{tree['depth']} k{tree['top_k']} n{tree['total_tokens']}{auto}{lookup}"
 
 
 def table_row(name: str, report: dict[str, Any]) -> str:

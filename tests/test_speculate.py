@@ -3,6 +3,7 @@ acceptance, cache gathering, the head drafter's bookkeeping, stopping rules."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from functools import cache
 
 import pytest
@@ -363,6 +364,55 @@ def test_stopping_rules():
     assert res.tokens == ref[: first + 1]
     plain = plain_generate(model, prompt(), 40, stop_strings=[stop], tokenizer=DigitTokenizer())
     assert plain.tokens == res.tokens
+
+
+@pytest.mark.parametrize("policy", list(TREES))
+def test_prompt_lookup_branch_keeps_greedy_output_and_accepts_repeats(policy):
+    # a random 16-token target falls into loops: the lookup branch must catch them, and change nothing else
+    small = target("llama-v16")
+    ref = reference("llama-v16", 0, 40)
+    lookup = replace(TREES[policy], lookup_ngram=3)
+    taus = {}
+    for cfg in (TREES[policy], lookup):
+        drafter = HeadDrafter(head("llama-v16", "eagle1"))
+        res = speculative_generate(small, drafter, prompt(vocab=16), 40, cfg)
+        check_result(res, ref)
+        assert drafter.cache.length == T + sum(res.accept_lengths[:-1])
+        taus[cfg.lookup_ngram] = res.mean_accept_length
+    assert taus[3] > taus[0] + 0.3, taus
+    # sampling: a one-hot target (top_k=1) must still give the greedy output with the lookup branch
+    gen = torch.Generator().manual_seed(0)
+    res = speculative_generate(
+        small,
+        HeadDrafter(head("llama-v16", "eagle3")),
+        prompt(vocab=16),
+        40,
+        lookup,
+        temperature=0.9,
+        top_k=1,
+        generator=gen,
+    )
+    assert res.tokens == ref
+
+
+def test_cpu_prepacked_target_and_head_keep_greedy_output():
+    import copy
+
+    from eagle.targets import prepack_for_cpu
+
+    model = copy.deepcopy(target("llama"))
+    hd = copy.deepcopy(head("llama", "eagle3"))
+    ids = prompt()
+    before = model(ids).logits
+    n_linear = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert prepack_for_cpu(model) == n_linear - 1  # all but the lm_head
+    assert prepack_for_cpu(hd.attach_target(model)) > 0
+    assert not any(type(m) is torch.nn.Linear and n != "lm_head" for n, m in model.named_modules())
+    assert torch.allclose(model(ids).logits, before, atol=1e-4)
+    plain = plain_generate(model, ids, N_NEW)
+    res = speculative_generate(model, HeadDrafter(hd), ids, N_NEW, TREES["dynamic"])
+    assert res.tokens == plain.tokens == reference("llama")
+    assert prepack_for_cpu(torch.nn.Linear(2, 2).to(torch.float64)) == 0  # only fp32 layers
 
 
 def test_sampling_path():

@@ -17,6 +17,9 @@ from eagle.tree import (
     build_dynamic_tree,
     build_static_tree,
     build_tree,
+    deepest_draft,
+    graft_chain,
+    lookup_continuation,
     resolve_total_tokens,
     tree_from_parents,
 )
@@ -208,3 +211,30 @@ def test_build_tree_dispatch_and_auto_budget():
 def test_tree_config_validation(cfg, match):
     with pytest.raises(EagleError, match=match):
         cfg.validate()
+
+
+def test_lookup_continuation_finds_the_latest_longest_match():
+    #          0  1  2  3  4  5  6  7  8  9
+    history = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    # the 3-gram (2, 6, 7) never occurred before; the 2-gram (6, 7) did, latest at 5: continue with 9, 2, ...
+    assert lookup_continuation(history, 3, 2) == [9, 2]
+    assert lookup_continuation(history, 3, 10) == [9, 2, 6, 7]  # may run up to the end of the history
+    assert lookup_continuation([1, 2, 3, 1, 2, 3, 1, 2], 3, 3) == [3, 1, 2]  # the longest n-gram wins
+    assert lookup_continuation([4, 9, 4], 3, 2) == [9, 4]  # falls back to a 1-gram
+    assert lookup_continuation([1, 2, 3], 3, 4) == [] and lookup_continuation([7], 3, 4) == []
+
+
+def test_graft_chain_reuses_drafted_nodes_and_appends_the_rest():
+    tree = tree_from_parents([0, 4, 5, 6], [-1, 0, 0, 1], [0.0, -0.1, -2.0, -0.3])
+    assert graft_chain(tree, []) is tree and graft_chain(tree, [4, 6]) is tree  # already drafted
+    grafted = graft_chain(tree, [4, 6, 8, 9])
+    assert grafted.tokens.tolist() == [0, 4, 5, 6, 8, 9] and grafted.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    assert grafted.depths.tolist() == [0, 1, 1, 2, 3, 4]
+    assert grafted.draft_logprobs.tolist() == pytest.approx([0.0, -0.1, -2.0, -0.3, 0.0, 0.0])
+    new_root_child = graft_chain(tree, [7, 4])  # diverges at the root: a new branch after the drafted ones
+    assert new_root_child.parents.tolist() == [-1, 0, 0, 1, 0, 4]
+    assert new_root_child.children(0) == [1, 2, 4]
+    assert deepest_draft(TreeConfig("chain", depth=3)) == 3
+    assert deepest_draft(TreeConfig("static", static_paths=[[0], [0, 0], [0, 0, 1]])) == 3
+    with pytest.raises(EagleError, match="lookup_ngram"):
+        TreeConfig(lookup_ngram=-1).validate()

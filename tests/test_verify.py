@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from eagle.tree import DraftTree, tree_from_parents
+from eagle.tree import DraftTree, graft_chain, tree_from_parents
 from eagle.verify import LazyRows, logits_to_probs, verify_greedy, verify_sampling
 
 V = 5
@@ -131,6 +131,9 @@ TREES = [
     tree_from_parents([0, 2, 0, 1, 3, 4, 0], [-1, 0, 0, 1, 1, 2, 2]),
     # deep and wide, 4 of 5 tokens drafted at the root
     tree_from_parents([0, 1, 2, 3, 4, 0, 1, 2, 3, 4], [-1, 0, 0, 0, 0, 1, 1, 5, 5, 2]),
+    # prompt-lookup branches grafted on: one follows drafted nodes then extends them, one is a new root child
+    graft_chain(tree_from_parents([0, 2, 0, 1, 3, 4, 0], [-1, 0, 0, 1, 1, 2, 2]), [2, 1, 4]),
+    graft_chain(tree_from_parents([0, 1, 3, 4], [-1, 0, 0, 0]), [2, 3]),
 ]
 
 

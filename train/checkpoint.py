@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from eagle.errors import EagleError
+from eagle.fileio import fsync_dir, write_json_atomic, write_text_atomic
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
@@ -56,20 +57,6 @@ def step_dir_name(step: int) -> str:
 # --------------------------------------------------------------------------------------------- file helpers
 
 
-def fsync_dir(path: str | os.PathLike) -> None:
-    """Make renames/creations inside ``path`` durable (best effort where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def fsync_tree(path: Path) -> None:
     """fsync every file and directory under ``path`` (and ``path`` itself)."""
     for root, _dirs, files in os.walk(path):
@@ -77,36 +64,6 @@ def fsync_tree(path: Path) -> None:
             with open(os.path.join(root, name), "rb+") as fh:
                 os.fsync(fh.fileno())
         fsync_dir(root)
-
-
-def write_json_atomic(data: Any, path: str | os.PathLike) -> None:
-    """Write JSON through a temporary file, fsync and rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_text_atomic(text: str, path: str | os.PathLike) -> None:
-    """Write a small text file through a temporary file, fsync and rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def remove_tree(path: Path) -> None:

@@ -1,0 +1,50 @@
+"""Durable small-file writes shared by every stage: a reader never sees half a file, a crash never loses one.
+
+Each write goes to a unique temporary file in the same folder, is fsynced, renamed over the target, and the
+folder is fsynced so that the rename itself survives a power cut.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """Make renames/creations inside ``path`` durable (best effort where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # not every filesystem lets a directory be synced
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    """Write a text file through a temporary file, fsync and rename; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # a unique name opened normally (not mkstemp, whose 0600 mode would stick to the file)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "x", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_json_atomic(data: Any, path: str | os.PathLike) -> Path:
+    """Write ``data`` as indented JSON, atomically (see :func:`write_text_atomic`); returns the path."""
+    return write_text_atomic(json.dumps(data, indent=2) + "\n", path)

@@ -1,0 +1,210 @@
+#!/usr/bin/env python
+"""Which draft tree pays on this machine? Time several tree shapes side by side with one draft head.
+
+Loads the target and the head once, then for every prompt runs plain greedy decoding and speculative decoding
+with each tree shape, interleaved prompt by prompt (so machine noise hits every shape alike). Prints a table of
+tau, tokens/s and speedup over plain decoding per shape, writes JSON (``--out``) and a PNG beside it, and
+checks that every speculative output equals plain greedy decoding.
+
+    python scripts/tree_sweep.py --draft runs/demo/export --trees chain:3 chain:4 dynamic:4:2:6 dynamic:5:4:12
+
+Tree specs: ``chain:DEPTH`` or ``dynamic:DEPTH:TOP_K:TOTAL_TOKENS``, optionally with ``+lookup`` (a prompt-lookup
+branch of 3-grams down to 1-grams, ``eval.tree.lookup_ngram``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from eagle.drafter import HeadDrafter  # noqa: E402
+from eagle.errors import EagleError  # noqa: E402
+from eagle.evaluate import EvalConfig, eos_token_ids, load_prompt_sets, write_json_atomic  # noqa: E402
+from eagle.export import load_exported_head  # noqa: E402
+from eagle.speculate import plain_generate, speculative_generate  # noqa: E402
+from eagle.targets import load_target, prepack_for_cpu  # noqa: E402
+from eagle.tree import TreeConfig  # noqa: E402
+
+
+def parse_tree(spec: str) -> TreeConfig:
+    """``chain:D`` or ``dynamic:D:K:N``, optionally ``+lookup`` (a prompt-lookup branch) -> a TreeConfig."""
+    spec, plus, extra = spec.partition("+")
+    if plus and extra != "lookup":
+        raise EagleError(f"tree spec suffix {extra!r} is unknown; use +lookup")
+    lookup = 3 if plus else 0
+    parts = spec.split(":")
+    try:
+        if parts[0] == "chain" and len(parts) == 2:
+            return TreeConfig(policy="chain", depth=int(parts[1]), lookup_ngram=lookup).validate()
+        if parts[0] == "dynamic" and len(parts) == 4:
+            d, k, n = (int(p) for p in parts[1:])
+            return TreeConfig(
+                policy="dynamic", depth=d, top_k=k, total_tokens=n, lookup_ngram=lookup
+            ).validate()
+    except ValueError:
+        pass
+    raise EagleError(f"tree spec {spec!r} is not chain:DEPTH or dynamic:DEPTH:TOP_K:TOTAL_TOKENS")
+
+
+def sweep(
+    target: Any,
+    drafter: HeadDrafter,
+    prompts: list[tuple[str, str, list[int]]],
+    trees: dict[str, TreeConfig],
+    max_new_tokens: int,
+) -> dict[str, Any]:
+    """Plain and speculative decoding of every prompt with every tree; per-tree and per-set totals."""
+    from tqdm import tqdm
+
+    eos = eos_token_ids(target)
+    names = ["plain", *trees]
+    # per tree: set -> [tokens, seconds, forwards, accepted, greedy matches, prompts]
+    totals: dict[str, dict[str, list]] = {n: {} for n in names}
+    for k, (set_name, _pid, ids) in enumerate(tqdm(prompts, desc="tree sweep", unit="prompt")):
+        x = torch.tensor([ids])
+        order = names[k % len(names) :] + names[: k % len(names)]
+        results = {}
+        for name in order:
+            if name == "plain":
+                results[name] = plain_generate(target.model, x, max_new_tokens, eos_token_ids=eos)
+            else:
+                results[name] = speculative_generate(
+                    target.model, drafter, x, max_new_tokens, trees[name], eos_token_ids=eos
+                )
+        for name, res in results.items():
+            for key in (set_name, "overall"):
+                t = totals[name].setdefault(key, [0, 0.0, 0, 0, 0, 0])
+                t[0] += len(res.tokens)
+                t[1] += res.total_time - res.prefill_time  # decoding only: the prefill is the same for all
+                t[2] += res.target_forwards
+                t[3] += sum(res.accept_lengths)
+                t[4] += int(res.tokens == results["plain"].tokens)
+                t[5] += 1
+    rows = []
+    for name in names:
+        for set_name, (tokens, secs, forwards, accepted, match, n) in totals[name].items():
+            plain_rate = totals["plain"][set_name][0] / totals["plain"][set_name][1]
+            rate = tokens / secs
+            rows.append(
+                {
+                    "tree": name,
+                    "set": set_name,
+                    "tau": accepted / forwards if name != "plain" and forwards else None,
+                    "tokens_per_s": rate,
+                    "speedup": rate / plain_rate,
+                    "greedy_match": f"{match}/{n}",
+                    "ms_per_forward": 1000 * secs / forwards if forwards else None,
+                }
+            )
+    return {"rows": rows}
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """Speedup per tree shape and prompt set, as grouped bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trees = list(dict.fromkeys(r["tree"] for r in rows if r["tree"] != "plain"))
+    sets = list(dict.fromkeys(r["set"] for r in rows))
+    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(trees), 3.6))
+    width = 0.8 / len(sets)
+    for j, s in enumerate(sets):
+        vals = [next(r["speedup"] for r in rows if r["tree"] == t and r["set"] == s) for t in trees]
+        ax.bar([i + j * width for i in range(len(trees))], vals, width, label=s)
+    ax.axhline(1.0, color="gray", lw=1, ls="--")
+    ax.set_xticks(
+        [i + width * (len(sets) - 1) / 2 for i in range(len(trees))], trees, rotation=20, fontsize=8
+    )
+    ax.set_ylabel("speedup over plain decoding")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", required=True, help="exported draft head directory")
+    ap.add_argument("--target", default="smollm2-135m-instruct")
+    ap.add_argument(
+        "--trees", nargs="+", default=["chain:2", "chain:3", "chain:4", "dynamic:4:2:6", "dynamic:5:4:12"]
+    )
+    ap.add_argument("--prompts", nargs="+", default=["dev-chat", "dev-code"])
+    ap.add_argument("--max-prompts", type=int, default=10, help="per prompt set")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument(
+        "--cpu-prepack", action="store_true", help="oneDNN prepacked linear layers (eval.cpu_prepack)"
+    )
+    ap.add_argument("--out", default=str(ROOT / "runs/benchmarks/tree_sweep.json"))
+    args = ap.parse_args(argv)
+    try:
+        trees = {spec: parse_tree(spec) for spec in args.trees}
+        target = load_target(args.target, dtype=args.dtype, device=args.device)
+        head = load_exported_head(Path(args.draft), target, dtype=target.dtype)
+        if args.cpu_prepack:
+            prepack_for_cpu(target.model)
+            prepack_for_cpu(head)
+        drafter = HeadDrafter(head)
+        cfg = EvalConfig(prompts=args.prompts, max_prompts=args.max_prompts)
+        prompts = [
+            (s, pid, ids) for s, items in load_prompt_sets(cfg, target.tokenizer) for pid, ids in items
+        ]
+    except EagleError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with torch.no_grad():  # one untimed warm-up of every method
+        sweep(target, drafter, prompts[:1], trees, 8)
+        result = sweep(target, drafter, prompts, trees, args.max_new_tokens)
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"tree sweep: {args.draft}, {len(prompts)} prompts, {args.max_new_tokens} new tokens")
+    for col in ("tree", "set", "tau", "tok/s", "speedup", "ms/forward", "greedy match"):
+        table.add_column(col)
+    for r in result["rows"]:
+        table.add_row(
+            r["tree"],
+            r["set"],
+            "-" if r["tau"] is None else f"{r['tau']:.2f}",
+            f"{r['tokens_per_s']:.1f}",
+            f"{r['speedup']:.2f}x",
+            "-" if r["ms_per_forward"] is None else f"{r['ms_per_forward']:.1f}",
+            r["greedy_match"],
+        )
+    Console().print(table)
+    result.update(
+        draft=args.draft,
+        target=args.target,
+        device=args.device,
+        dtype=args.dtype,
+        prompts=args.prompts,
+        max_prompts=args.max_prompts,
+        max_new_tokens=args.max_new_tokens,
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        threads=torch.get_num_threads(),
+        cpu_prepack=args.cpu_prepack,
+    )
+    out = write_json_atomic(result, args.out)
+    plot(result["rows"], out.with_suffix(".png"))
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+    mismatched = [
+        r for r in result["rows"] if r["greedy_match"].split("/")[0] != r["greedy_match"].split("/")[1]
+    ]
+    return 1 if mismatched else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
