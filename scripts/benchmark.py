@@ -55,12 +55,21 @@ def _tree_text(tree: dict[str, Any]) -> str:
     return f"dynamic d{tree['depth']} k{tree['top_k']} n{tree['total_tokens']}{auto}{lookup}"
 
 
+def _prompts_text(report: dict[str, Any]) -> str:
+    """``40+40 x 64`` (prompts per set x new tokens), or ``-`` when the report does not say."""
+    counts = [str(v["num_prompts"]) for v in report.get("prompt_sets", {}).values() if "num_prompts" in v]
+    tokens = report.get("settings", {}).get("max_new_tokens")
+    return f"{'+'.join(counts)} x {tokens}" if counts and tokens else "-"
+
+
 def table_row(name: str, report: dict[str, Any]) -> str:
     """One markdown table row for a benchmark result."""
     sets = report.get("prompt_sets", {})
     overall = report.get("overall", {})
     match = overall.get("greedy_match_rate")
     device = report.get("device_name") or report.get("device", "?")
+    if report.get("settings", {}).get("cpu_prepacked_layers"):
+        device += " prepacked"
     cells = [
         str(report.get("date", "?"))[:10],
         name,
@@ -68,6 +77,7 @@ def table_row(name: str, report: dict[str, Any]) -> str:
         str(report.get("target", "?")),
         f"{device} {report.get('dtype', '')}".strip(),
         _tree_text(report.get("tree", {})),
+        _prompts_text(report),
         _fmt(report.get("settings", {}).get("temperature"), "g"),
         _fmt(sets.get("dev-chat", {}).get("acceptance_length_mean")),
         _fmt(sets.get("dev-code", {}).get("acceptance_length_mean")),
@@ -91,8 +101,8 @@ def render_table(bench_dir: Path) -> str:
             continue
         rows.append((str(report.get("date", "")), path.stem, table_row(path.stem, report)))
     header = (
-        "| date | name | head | target | device | tree | T | tau chat | tau code | speedup | PLD speedup "
-        "| greedy match |\n|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "| date | name | head | target | device | tree | prompts x tokens | T | tau chat | tau code | speedup "
+        "| PLD speedup | greedy match |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     return "\n".join([header] + [r for _, _, r in sorted(rows)])
 
@@ -154,6 +164,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--total-tokens", default="auto", type=_budget, help="dynamic tree node budget or 'auto' (default)"
     )
+    p.add_argument(
+        "--lookup-ngram", type=int, default=0, help="add a prompt-lookup branch to every tree (0 = off)"
+    )
+    p.add_argument(
+        "--cpu-prepack",
+        action="store_true",
+        help="oneDNN prepacked linear layers on a CPU (eval.cpu_prepack)",
+    )
     p.add_argument("--no-prompt-lookup", action="store_true", help="skip the prompt-lookup comparison")
     p.add_argument("--name", default=None, help="result name (default: <date>-<target>-<device>)")
     p.add_argument("--out-dir", default=str(BENCH_DIR), help="where result JSONs and README.md live")
@@ -167,7 +185,13 @@ def run(args: argparse.Namespace) -> list[Path]:
     from eagle.targets import EMBEDDED_TARGET, TargetConfig, load_target
     from eagle.tree import TreeConfig
 
-    tree = TreeConfig(policy=args.policy, depth=args.depth, top_k=args.top_k, total_tokens=args.total_tokens)
+    tree = TreeConfig(
+        policy=args.policy,
+        depth=args.depth,
+        top_k=args.top_k,
+        total_tokens=args.total_tokens,
+        lookup_ngram=args.lookup_ngram,
+    )
     target = load_target(
         TargetConfig(name=args.target or EMBEDDED_TARGET, dtype=args.dtype, device=args.device)
     )
@@ -187,6 +211,7 @@ def run(args: argparse.Namespace) -> list[Path]:
             temperature=temperature,
             tree=tree,
             prompt_lookup=not args.no_prompt_lookup,
+            cpu_prepack=args.cpu_prepack,
             report=str(ROOT / "runs" / "benchmarks" / run_name / "report.json"),
         )
         report = evaluate(cfg, target)

@@ -126,7 +126,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         [i + width * (len(sets) - 1) / 2 for i in range(len(trees))], trees, rotation=20, fontsize=8
     )
     ax.set_ylabel("speedup over plain decoding")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -262,6 +262,14 @@ def test_benchmark_table_is_rebuilt_from_all_results(tmp_path):
     assert len(lines) == 2 and "| a |" in lines[0] and "| b |" in lines[1]  # oldest first
     assert "| 2.00 | 1.50 | 1.30x | 1.10x | 100% |" in lines[0]
     assert "dynamic d5 k4 n8 (auto)" in lines[1]
+    lookup = result("2026-12-03T10:00:00+00:00", 2.4, 1.2)
+    lookup["tree"]["lookup_ngram"] = 3
+    lookup["settings"]["cpu_prepacked_layers"] = 211
+    (tmp_path / "c.json").write_text(json.dumps(lookup))
+    row = [x for x in bench.update_readme(tmp_path).read_text().splitlines() if "| c |" in x][0]
+    assert "| cpu prepacked float32 |" in row and "dynamic d5 k4 n8 (auto) + lookup" in row
+    assert "| - | 0 |" in row  # no prompt counts in this synthetic report
+    (tmp_path / "c.json").unlink()
     (tmp_path / "a.json").unlink()
     again = bench.update_readme(tmp_path).read_text()
     assert again.count("| 2026") == 1 and "intro kept" in again
