@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
@@ -38,3 +40,16 @@ def tiny_model(family: str = "llama", seed: int = 0, **kwargs) -> torch.nn.Modul
     model = AutoModelForCausalLM.from_config(tiny_config(family, **kwargs), attn_implementation="eager")
     model.eval().requires_grad_(False)
     return model
+
+
+def save_tiny_target(folder: str | Path, family: str = "llama", seed: int = 0, **kwargs) -> Path:
+    """Save a tiny random target with the embedded SmolLM2 tokenizer (a real chat template) as an HF folder.
+
+    Pass ``vocab_size`` >= 49,152 for prompts tokenized by that tokenizer to stay in range.
+    """
+    from eagle.targets import load_tokenizer
+
+    folder = Path(folder)
+    tiny_model(family, seed=seed, **kwargs).save_pretrained(folder)
+    load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
+    return folder

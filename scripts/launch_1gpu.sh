@@ -13,16 +13,7 @@
 # `eagle demo --config configs/smollm2_1gpu.yaml` runs the same stages in one process and skips finished ones.
 set -euo pipefail
 
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # print the header comment above
-    sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"
-    exit 0
-fi
-
-if [[ -n "${CONFIG:-}" ]]; then CONFIG="$(realpath "$CONFIG")"; fi  # a CONFIG given relative to the caller
-cd "$(dirname "${BASH_SOURCE[0]}")/.."  # config paths (configs/deepspeed/...) are relative to the repo root
-if [[ -z "${VIRTUAL_ENV:-}" && -x .venv/bin/eagle ]]; then
-    export PATH="$PWD/.venv/bin:$PATH"
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/_preamble.sh" "$@"  # --help, repo root, .venv on PATH
 CONFIG="${CONFIG:-configs/smollm2_1gpu.yaml}"
 
 # 1. chat data -> tokens + loss masks; the target (on the GPU) rewrites every assistant answer

@@ -17,16 +17,7 @@
 # Key=value arguments are config overrides (the same on every node!).
 set -euo pipefail
 
-if [[ "${1:-}" == "-h" || "${1:-}" == "--help" ]]; then  # print the header comment above
-    sed -n '2,/^set -euo/{/^#/s/^# \{0,1\}//p}' "$0"
-    exit 0
-fi
-
-if [[ -n "${CONFIG:-}" ]]; then CONFIG="$(realpath "$CONFIG")"; fi  # a CONFIG given relative to the caller
-cd "$(dirname "${BASH_SOURCE[0]}")/.."  # config paths (configs/deepspeed/...) are relative to the repo root
-if [[ -z "${VIRTUAL_ENV:-}" && -x .venv/bin/eagle ]]; then
-    export PATH="$PWD/.venv/bin:$PATH"
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/_preamble.sh" "$@"  # --help, repo root, .venv on PATH
 CONFIG="${CONFIG:-configs/llama31_8b_8gpu.yaml}"
 NNODES="${NNODES:-${SLURM_NNODES:-}}"
 NODE_RANK="${NODE_RANK:-${SLURM_NODEID:-}}"

@@ -79,14 +79,11 @@ eval: {{draft: "{{run_dir}}/export", prompts: [{root}/prompts.jsonl], max_new_to
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> Run:
-    from eagle.targets import load_tokenizer
-    from eagle.testing import tiny_model
+    from eagle.testing import save_tiny_target
 
     root = tmp_path_factory.mktemp("bad-inputs")
-    tokenizer = load_tokenizer("smollm2-135m-instruct")
     for name, vocab in (("target", VOCAB), ("other", 256)):
-        tiny_model("llama", vocab_size=vocab, hidden_size=32, num_layers=2).save_pretrained(root / name)
-        tokenizer.save_pretrained(root / name)
+        save_tiny_target(root / name, "llama", vocab_size=vocab, hidden_size=32, num_layers=2)
     chats = [
         {
             "messages": [

@@ -22,7 +22,7 @@ from eagle.evaluate import eos_token_ids
 from eagle.export import load_exported_head
 from eagle.speculate import speculative_generate
 from eagle.targets import load_target, load_tokenizer
-from eagle.testing import tiny_model
+from eagle.testing import save_tiny_target
 from eagle.tree import TreeConfig
 from train.checkpoint import load_head_files
 
@@ -67,8 +67,7 @@ def workspace(tmp_path_factory) -> dict[str, Path]:
     """A tiny target folder (random llama + SmolLM2 tokenizer with its chat template), ShareGPT data, prompts."""
     root = tmp_path_factory.mktemp("e2e")
     target = root / "tiny-target"
-    tiny_model("llama", vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2).save_pretrained(target)
-    load_tokenizer("smollm2-135m-instruct").save_pretrained(target)
+    save_tiny_target(target, "llama", vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2)
     sharegpt = root / "sharegpt.jsonl"
     records = [
         {
