@@ -53,3 +53,30 @@ def save_tiny_target(folder: str | Path, family: str = "llama", seed: int = 0, *
     tiny_model(family, seed=seed, **kwargs).save_pretrained(folder)
     load_tokenizer("smollm2-135m-instruct").save_pretrained(folder)
     return folder
+
+
+# every prompt-set summary of an evaluation report (and its "overall") carries these, with these types
+REPORT_SECTION_FIELDS = {
+    "acceptance_length_mean": float,
+    "acceptance_length_median": float,
+    "new_tokens": int,
+    "target_forwards": int,
+    "tokens_per_second": float,
+    "baseline_tokens_per_second": float,
+    "speedup": float,
+    "greedy_match_rate": float,
+    "num_prompts": int,
+    "per_depth_acceptance": list,
+    "prompt_lookup_tokens_per_second": float,
+    "prompt_lookup_speedup": float,
+}
+
+
+def check_greedy_report_section(section: dict, num_prompts: int) -> None:
+    """Assert that a summary of a greedy evaluation has every field with its type, counts ``num_prompts``
+    prompts, and that speculative decoding and prompt lookup both matched plain greedy decoding on all of them."""
+    for key, kind in REPORT_SECTION_FIELDS.items():
+        assert isinstance(section[key], kind), (key, section[key])
+    assert section["num_prompts"] == num_prompts
+    assert section["greedy_match_rate"] == 1.0
+    assert section["prompt_lookup_match_rate"] == 1.0

@@ -1,4 +1,5 @@
-"""Shared test settings: tiny models run fastest on one thread (and the CI machine has only two cores)."""
+"""Shared test settings and fixtures: tiny models run fastest on one thread (and the CI machine has only two
+cores), so every test runs on one; trainer tests share one bigram target and its prepared data."""
 
 import os
 
@@ -18,3 +19,32 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """Reset accelerate's process-wide state after a test that built an Accelerator (the next one starts clean)."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+
+
+@pytest.fixture(scope="session")
+def bigram_target():
+    """The tiny "bigram" target of tests/_train_worker.py (frozen: tests share it)."""
+    import _train_worker as W
+
+    return W.bigram_target()
+
+
+@pytest.fixture(scope="session")
+def bigram_data(tmp_path_factory, bigram_target):
+    """Prepared random sequences + their float32 features; read-only (a test that damages data copies it first)."""
+    import _train_worker as W
+
+    root = tmp_path_factory.mktemp("bigram-data")
+    prepared = W.make_prepared(root / "prepared", n_train=96, n_val=16, length=32)
+    features = W.collect_features(prepared, root / "features", bigram_target)
+    return prepared, features

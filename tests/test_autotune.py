@@ -21,14 +21,6 @@ from eagle.testing import tiny_model
 from eagle.tree import TreeConfig, build_tree, tree_from_parents
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model():
     return tiny_model("llama", seed=0)

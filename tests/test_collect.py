@@ -36,15 +36,6 @@ WORKER = ROOT / "tests" / "_collect_worker.py"
 BIN = Path(sys.executable).parent
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # tiny matmuls on a shared 2-core machine: one thread is much faster and gives the same bytes every run
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def make_data(root: Path, sizes=(("train", 24), ("val", 6)), seed: int = 0, max_len: int = 40) -> Path:
     """A stand-in for `eagle prepare`: random token rows with 0/1 loss masks, saved with save_to_disk."""
     rng = random.Random(seed)

@@ -64,30 +64,7 @@ TRAIN_KW = dict(
 HEAD = {"draft_vocab_size": 128}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(scope="module")
-def target():
-    return W.bigram_target()
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory, target):
-    """Prepared random sequences + their float32 features (the worker's own helpers)."""
-    root = tmp_path_factory.mktemp("fault-data")
-    prepared = W.make_prepared(root / "prepared", n_train=96, n_val=16, length=32)
-    features = W.collect_features(prepared, root / "features", target)
-    return prepared, features
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # tests build Accelerators
 
 
 # ------------------------------------------------------------------------------------------- fault injection
@@ -261,13 +238,15 @@ def train_cfg(out: Path, **kw) -> TrainConfig:
 
 
 @pytest.mark.slow
-def test_training_killed_at_random_points_resumes_to_the_same_weights(tmp_path, data, target, monkeypatch):
-    _, features = data
+def test_training_killed_at_random_points_resumes_to_the_same_weights(
+    tmp_path, bigram_data, bigram_target, monkeypatch
+):
+    _, features = bigram_data
     reference = tmp_path / "reference"
     counter = Injector()
     with monkeypatch.context() as m:
         arm_training(counter, m.setattr)
-        train(target=target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(reference))
+        train(target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(reference))
     events = counter.count
     assert events > 24 + 6 * 6  # forwards (train + eval) and the file operations of 6 checkpoints + final
 
@@ -290,7 +269,7 @@ def test_training_killed_at_random_points_resumes_to_the_same_weights(tmp_path, 
     assert kills >= len(SEEDS)  # the first kill of every seed falls inside a run
 
     for seed, out in runs.items():
-        result = train(target=target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(out))
+        result = train(target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(out))
         assert result.global_step == 24
         assert same_weights(reference / "final", out / "final"), seed  # bit for bit
         ref, got = losses(reference), losses(out)
@@ -390,11 +369,13 @@ def _check_full_disk_outcome(out: Path, kept: dict, failed_step: int, exc: Eagle
     assert not [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith(".tmp")]
 
 
-def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, data, target, monkeypatch):
-    _, features = data
+def test_full_disk_during_a_checkpoint_keeps_the_previous_one(
+    tmp_path, bigram_data, bigram_target, monkeypatch
+):
+    _, features = bigram_data
     kw = dict(max_steps=6, save_every=2, eval_every=0)
     reference = tmp_path / "reference"
-    train(target=target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(reference, **kw))
+    train(target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(reference, **kw))
 
     out = tmp_path / "run"
     kept: dict = {}
@@ -406,7 +387,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, data, ta
         m.setattr(ck, "save_pt", _fail_writing(step=4))
         with pytest.raises(EagleError) as info:
             train(
-                target=target,
+                target=bigram_target,
                 features_dir=features,
                 head=HeadSpec(**HEAD),
                 cfg=train_cfg(out, **kw),
@@ -417,7 +398,9 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(tmp_path, data, ta
     assert "No space left on device" in str(info.value)
 
     # space freed: the same command resumes from step 2 and ends where an uninterrupted run ends
-    result = train(target=target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(out, **kw))
+    result = train(
+        target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(out, **kw)
+    )
     assert result.resumed_from.name == "step-0000002" and result.global_step == 6
     assert same_weights(reference / "final", out / "final")
     assert losses(out) == pytest.approx(losses(reference), abs=1e-6)
@@ -439,12 +422,12 @@ def _page_bytes(folder: Path, pattern: str = "*") -> int:
 
 
 @pytest.mark.slow
-def test_full_disk_on_a_real_small_tmpfs(tmp_path, data, target):
+def test_full_disk_on_a_real_small_tmpfs(tmp_path, bigram_data, bigram_target):
     """A real ENOSPC (torch.save and safetensors report it as RuntimeError / SafetensorError, not OSError)."""
-    _, features = data
+    _, features = bigram_data
     kw = dict(max_steps=6, save_every=2, eval_every=0, log_every=100)
     reference = tmp_path / "reference"
-    train(target=target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(reference, **kw))
+    train(target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(reference, **kw))
     one = _page_bytes(reference / "checkpoints" / "step-0000002")
     base = sum(_page_bytes(reference, name) for name in ("draft_vocab.*", "metrics.jsonl"))
     size = base + one + one // 2 + 8 * 4096  # room for the first checkpoint, not for the second
@@ -456,7 +439,7 @@ def test_full_disk_on_a_real_small_tmpfs(tmp_path, data, target):
         kept: dict = {}
         with pytest.raises(EagleError) as info:
             train(
-                target=target,
+                target=bigram_target,
                 features_dir=features,
                 head=HeadSpec(**HEAD),
                 cfg=train_cfg(out, **kw),
@@ -465,7 +448,9 @@ def test_full_disk_on_a_real_small_tmpfs(tmp_path, data, target):
         assert sorted(kept) == ["step-0000002"]
         _check_full_disk_outcome(out, kept, 4, info.value)
         subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
-        result = train(target=target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(out, **kw))
+        result = train(
+            target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(out, **kw)
+        )
         assert result.resumed_from.name == "step-0000002" and result.global_step == 6
         assert same_weights(reference / "final", out / "final")
     finally:
@@ -494,11 +479,11 @@ def _poison_first_sequence(features: Path, out: Path) -> Path:
     return out
 
 
-def test_nonfinite_loss_skips_or_stops_and_says_so(tmp_path, data, capsys):
+def test_nonfinite_loss_skips_or_stops_and_says_so(tmp_path, bigram_data, capsys):
     """Through the command line: bad data makes one batch per epoch non-finite."""
     from eagle import cli
 
-    _, features = data
+    _, features = bigram_data
     poisoned = _poison_first_sequence(features, tmp_path / "features")
     config = {
         "run_dir": str(tmp_path / "run"),

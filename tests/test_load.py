@@ -51,14 +51,6 @@ def settled_rss() -> int:
     return rss_bytes()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _words(rng: random.Random, n: int) -> str:
     vocab = "the a of to and in is it you that he was for on are with as his they be at one have this from".split()
     return " ".join(rng.choice(vocab) for _ in range(n))

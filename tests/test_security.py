@@ -61,16 +61,7 @@ def assert_plant_is_live(tmp_path: Path, zip_format: bool) -> None:
     marker.unlink()
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # tests build Accelerators
 
 
 @pytest.fixture(scope="module")

@@ -29,15 +29,6 @@ TREES = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models on a shared 2-core machine: extra threads only spin (one forward: 5 ms vs 140 ms)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @cache
 def target(name: str) -> torch.nn.Module:
     """Tiny random targets: the three families, plus sliding-window variants and an sdpa one.

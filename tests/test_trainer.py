@@ -26,31 +26,7 @@ from train.trainer import HeadSpec, TrainConfig, train
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is fastest, and it keeps runs bit-identical across processes."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    from accelerate.state import AcceleratorState, GradientState
-
-    AcceleratorState._reset_state(True)
-    GradientState._reset_state()
-
-
-@pytest.fixture(scope="module")
-def target():
-    return W.bigram_target()
-
-
-@pytest.fixture(scope="module")
-def data(tmp_path_factory, target):
-    """Prepared random sequences + their float32 features."""
-    root = tmp_path_factory.mktemp("data")
-    prepared = W.make_prepared(root / "prepared", n_train=96, n_val=16, length=32)
-    features = W.collect_features(prepared, root / "features", target)
-    return prepared, features
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")  # tests build Accelerators
 
 
 def cfg(out: Path, **kw) -> TrainConfig:
@@ -73,11 +49,11 @@ def losses(out: Path) -> dict[int, float]:
     return {e["step"]: e["loss"] for e in read_metrics(out / "metrics.jsonl") if e["event"] == "train"}
 
 
-def test_offline_training_learns_the_target(tmp_path, data, target):
-    prepared, features = data
+def test_offline_training_learns_the_target(tmp_path, bigram_data, bigram_target):
+    prepared, features = bigram_data
     out = tmp_path / "run"
     result = train(
-        target=target,
+        target=bigram_target,
         features_dir=features,
         head=HeadSpec(draft_vocab_size=256),
         cfg=cfg(out, max_steps=150, eval_every=50, save_every=50, keep_last=2, log_every=10),
@@ -115,22 +91,22 @@ def test_offline_training_learns_the_target(tmp_path, data, target):
     assert {"fc.weight", "lm_head.weight", "d2t", "t2d"} <= set(final)
     assert not any(k.startswith("embed") for k in final)  # the target's embedding is never saved
     head_cfg = json.loads((out / "final" / "head_config.json").read_text())
-    assert head_cfg["target_fingerprint"] == target.fingerprint and head_cfg["kind"] == "eagle3"
+    assert head_cfg["target_fingerprint"] == bigram_target.fingerprint and head_cfg["kind"] == "eagle3"
     assert (out / "final" / "draft_vocab.safetensors").is_file()
 
 
-def test_online_mode_matches_offline(tmp_path, data, target):
+def test_online_mode_matches_offline(tmp_path, bigram_data, bigram_target):
     """Online features are computed in the step; with fp32 shards both modes train on the same numbers."""
-    prepared, features = data
+    prepared, features = bigram_data
     kw = dict(max_steps=8, ttt_steps=2, eval_every=4)
     train(
-        target=target,
+        target=bigram_target,
         features_dir=features,
         head=HeadSpec(draft_vocab_size=128),
         cfg=cfg(tmp_path / "off", **kw),
     )
     train(
-        target=target,
+        target=bigram_target,
         data_dir=prepared,
         head=HeadSpec(draft_vocab_size=128),
         cfg=cfg(tmp_path / "on", mode="online", **kw),
@@ -161,14 +137,19 @@ def _worker(args: dict, path: Path) -> subprocess.Popen:
     )
 
 
-def test_kill_and_resume_continues_the_same_curve(tmp_path, data, target):
-    prepared, features = data
+def test_kill_and_resume_continues_the_same_curve(tmp_path, bigram_data, bigram_target):
+    prepared, features = bigram_data
     kw = dict(
         max_steps=20, save_every=6, eval_every=6, noise_std=0.2, deterministic=True, seed=3, batch_size=4
     )
 
     reference = tmp_path / "reference"
-    train(target=target, features_dir=features, head=HeadSpec(draft_vocab_size=256), cfg=cfg(reference, **kw))
+    train(
+        target=bigram_target,
+        features_dir=features,
+        head=HeadSpec(draft_vocab_size=256),
+        cfg=cfg(reference, **kw),
+    )
 
     out = tmp_path / "killed"
     args = {
@@ -199,7 +180,7 @@ def test_kill_and_resume_continues_the_same_curve(tmp_path, data, target):
         fh.write(json.dumps({"event": "train", "step": 13, "loss": 123.0}) + "\n")
 
     result = train(
-        target=target, features_dir=features, head=HeadSpec(draft_vocab_size=256), cfg=cfg(out, **kw)
+        target=bigram_target, features_dir=features, head=HeadSpec(draft_vocab_size=256), cfg=cfg(out, **kw)
     )
     assert result.resumed_from.name == "step-0000012" and result.global_step == 20
     ref, got = losses(reference), losses(out)
@@ -216,7 +197,7 @@ def test_kill_and_resume_continues_the_same_curve(tmp_path, data, target):
     assert not (out / "checkpoints" / ".tmp-step-0000018").exists()
 
 
-def test_draft_vocab_is_saved_and_not_rebuilt_on_resume(tmp_path, target):
+def test_draft_vocab_is_saved_and_not_rebuilt_on_resume(tmp_path, bigram_target):
     uniform = W.make_prepared(tmp_path / "d1", n_train=32, n_val=0, length=24, seed=1)
     skewed = tmp_path / "d2"
     from datasets import Dataset
@@ -227,11 +208,19 @@ def test_draft_vocab_is_saved_and_not_rebuilt_on_resume(tmp_path, target):
 
     head = HeadSpec(draft_vocab_size=64)
     out = tmp_path / "run"
-    train(target=target, data_dir=uniform, head=head, cfg=cfg(out, mode="online", max_steps=2, save_every=2))
+    train(
+        target=bigram_target,
+        data_dir=uniform,
+        head=head,
+        cfg=cfg(out, mode="online", max_steps=2, save_every=2),
+    )
     saved = load_file(str(out / "draft_vocab.safetensors"))
     with pytest.warns(UserWarning, match="training data changed"):
         train(
-            target=target, data_dir=skewed, head=head, cfg=cfg(out, mode="online", max_steps=4, save_every=2)
+            target=bigram_target,
+            data_dir=skewed,
+            head=head,
+            cfg=cfg(out, mode="online", max_steps=4, save_every=2),
         )
     final = load_file(str(out / "final" / "model.safetensors"))
     assert torch.equal(final["d2t"], saved["d2t"]) and torch.equal(final["t2d"], saved["t2d"])
@@ -240,16 +229,16 @@ def test_draft_vocab_is_saved_and_not_rebuilt_on_resume(tmp_path, target):
     )
     # a fresh run on the skewed data does build another vocabulary (so the check above can fail)
     fresh = tmp_path / "fresh"
-    train(target=target, data_dir=skewed, head=head, cfg=cfg(fresh, mode="online", max_steps=2))
+    train(target=bigram_target, data_dir=skewed, head=head, cfg=cfg(fresh, mode="online", max_steps=2))
     assert not torch.equal(load_file(str(fresh / "draft_vocab.safetensors"))["d2t"], saved["d2t"])
     assert load_file(str(fresh / "draft_vocab.safetensors"))["t2d"][200:].all()
 
 
-def test_resume_with_another_targets_checkpoint_fails(tmp_path, data, target):
-    prepared, _ = data
+def test_resume_with_another_targets_checkpoint_fails(tmp_path, bigram_data, bigram_target):
+    prepared, _ = bigram_data
     out = tmp_path / "run"
     train(
-        target=target,
+        target=bigram_target,
         data_dir=prepared,
         head=HeadSpec(draft_vocab_size=64),
         cfg=cfg(out, mode="online", max_steps=2),
@@ -263,11 +252,11 @@ def test_resume_with_another_targets_checkpoint_fails(tmp_path, data, target):
         )
 
 
-def test_bad_inputs(tmp_path, data, target):
-    prepared, features = data
+def test_bad_inputs(tmp_path, bigram_data, bigram_target):
+    prepared, features = bigram_data
     with pytest.raises(EagleError, match="draft_vocab_size"):
         train(
-            target=target,
+            target=bigram_target,
             features_dir=features,
             head=HeadSpec(draft_vocab_size=1000),
             cfg=cfg(tmp_path / "a"),
@@ -277,24 +266,24 @@ def test_bad_inputs(tmp_path, data, target):
     empty = tmp_path / "empty"
     Dataset.from_dict({"input_ids": [[], []], "loss_mask": [[], []]}).save_to_disk(str(empty / "train"))
     with pytest.raises(EagleError, match="empty"):
-        train(target=target, data_dir=empty, cfg=cfg(tmp_path / "b", mode="online"))
+        train(target=bigram_target, data_dir=empty, cfg=cfg(tmp_path / "b", mode="online"))
     with pytest.raises(EagleError, match="too small"):
         train(
-            target=target,
+            target=bigram_target,
             data_dir=prepared,
             head=HeadSpec(draft_vocab_size=64),
             cfg=cfg(tmp_path / "c", mode="online", batch_size=200),
         )
     with pytest.raises(EagleError, match="collect"):
-        train(target=target, features_dir=tmp_path / "nothing", cfg=cfg(tmp_path / "d"))
+        train(target=bigram_target, features_dir=tmp_path / "nothing", cfg=cfg(tmp_path / "d"))
     with pytest.raises(EagleError, match="report_to"):
         cfg(tmp_path / "e", report_to=["mlflow"]).validate()
 
 
-def test_nonfinite_losses_skip_or_stop(tmp_path, data, target, monkeypatch):
+def test_nonfinite_losses_skip_or_stop(tmp_path, bigram_data, bigram_target, monkeypatch):
     from train import trainer
 
-    prepared, features = data
+    prepared, features = bigram_data
     real_forward = trainer.HeadWithLoss.forward
     calls = {"n": 0}
 
@@ -305,7 +294,12 @@ def test_nonfinite_losses_skip_or_stop(tmp_path, data, target, monkeypatch):
 
     monkeypatch.setattr(trainer.HeadWithLoss, "forward", flaky)
     out = tmp_path / "skip"
-    train(target=target, features_dir=features, head=HeadSpec(draft_vocab_size=64), cfg=cfg(out, max_steps=5))
+    train(
+        target=bigram_target,
+        features_dir=features,
+        head=HeadSpec(draft_vocab_size=64),
+        cfg=cfg(out, max_steps=5),
+    )
     events = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] == "train"]
     assert events[-1]["skipped"] == 1 and all(math.isfinite(e["loss"]) for e in events if "loss" in e)
     assert sum("loss" not in e for e in events) == 1  # the skipped step has no loss to report
@@ -315,7 +309,7 @@ def test_nonfinite_losses_skip_or_stop(tmp_path, data, target, monkeypatch):
     calls["n"] = 0
     with pytest.raises(EagleError, match="not finite at step 3"):
         train(
-            target=target,
+            target=bigram_target,
             features_dir=features,
             head=HeadSpec(draft_vocab_size=64),
             cfg=cfg(tmp_path / "stop", max_steps=5, on_nonfinite="stop"),
@@ -329,11 +323,11 @@ def test_command_line_reports_user_errors(tmp_path, capsys):
     assert "missing.yaml" in capsys.readouterr().err
 
 
-def test_eagle1_head_trains(tmp_path, data, target):
-    _, features = data
+def test_eagle1_head_trains(tmp_path, bigram_data, bigram_target):
+    _, features = bigram_data
     out = tmp_path / "e1"
     result = train(
-        target=target,
+        target=bigram_target,
         features_dir=features,
         head=HeadSpec(kind="eagle1"),
         cfg=cfg(out, max_steps=30, lr=1e-2, eval_every=30),
@@ -344,14 +338,14 @@ def test_eagle1_head_trains(tmp_path, data, target):
     assert "d2t" not in load_file(str(out / "final" / "model.safetensors"))
 
 
-def test_report_to_tensorboard_and_wandb_offline(tmp_path, data, target, monkeypatch):
+def test_report_to_tensorboard_and_wandb_offline(tmp_path, bigram_data, bigram_target, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    _, features = data
+    _, features = bigram_data
     out = tmp_path / "run"
     train(
-        target=target,
+        target=bigram_target,
         features_dir=features,
         head=HeadSpec(draft_vocab_size=64),
         cfg=cfg(out, max_steps=3, eval_every=3, report_to=["tensorboard", "wandb"]),

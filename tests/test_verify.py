@@ -14,15 +14,6 @@ from eagle.verify import LazyRows, logits_to_probs, verify_greedy, verify_sampli
 V = 5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny tensors on a shared 2-core machine: extra threads only spin."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def one_hot_logits(argmaxes: list[int], vocab: int = 10) -> torch.Tensor:
     logits = torch.randn(len(argmaxes), vocab, generator=torch.Generator().manual_seed(0))
     for i, a in enumerate(argmaxes):
