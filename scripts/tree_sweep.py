@@ -172,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.table import Table
 
     table = Table(title=f"tree sweep: {args.draft}, {len(prompts)} prompts, {args.max_new_tokens} new tokens")
-    for col in ("tree", "set", "tau", "tok/s", "speedup", "ms/forward", "greedy match"):
+    table.add_column("tree", no_wrap=True)  # the shape is the point of the table: never cut it
+    for col in ("set", "tau", "tok/s", "speedup", "ms/forward", "greedy match"):
         table.add_column(col)
     for r in result["rows"]:
         table.add_row(

@@ -195,6 +195,27 @@ def test_capture_features(family):
     torch.testing.assert_close(last, ref.hidden_states[-1])
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prepacked_target_features_and_generation(family):
+    """What `collect` and regeneration run on a CPU (target.cpu_prepack): same features, same greedy answers."""
+    import copy
+
+    model = tiny_model(family, seed=2)
+    packed = copy.deepcopy(model)
+    assert T.prepack_for_cpu(packed) == sum(type(m) is torch.nn.Linear for m in model.modules())
+    torch.manual_seed(0)
+    ids = torch.randint(3, 256, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        want = T.capture_features(model, ids, mask, [1, 3])
+        got = T.capture_features(packed, ids, mask, [1, 3])
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        gen = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert torch.equal(packed.generate(ids, **gen), model.generate(ids, **gen))
+
+
 def test_capture_features_keeps_dtype():
     model = tiny_model("qwen2").to(torch.bfloat16)
     ids = torch.randint(3, 256, (1, 5))
@@ -296,6 +317,8 @@ def test_bad_settings():
         T.TargetConfig(device="tpu").validate()
     with pytest.raises(EagleError, match="name"):
         T.TargetConfig(name="").validate()
+    with pytest.raises(EagleError, match="target.cpu_prepack must be true or false"):
+        T.TargetConfig(cpu_prepack="yes").validate()
     assert T.TargetConfig(device="cuda:1", dtype="bf16").validate().device == "cuda:1"
     assert T.parse_dtype("BF16") is torch.bfloat16
     if not torch.cuda.is_available():

@@ -62,6 +62,10 @@ def run_collect(cfg: RunConfig) -> dict[str, Any]:
         device = str(state.device) if state.num_processes > 1 else device
     target = load_target(target_cfg.name, dtype=target_cfg.dtype, device=device,
                          trust_remote_code=target_cfg.trust_remote_code)
+    if target_cfg.cpu_prepack:
+        from eagle.targets import prepack_for_cpu
+
+        prepack_for_cpu(target.model)  # no-op off the CPU; collection forwards ~2x faster on one
     manifest = collect(cfg.collect, cfg.data.output_dir, target)
     return manifest
 
@@ -138,7 +142,7 @@ STAGE_SECTIONS = {
     "eval": ("target", "data", "collect", "head", "train", "export", "eval"),
 }
 # rough share of the demo's wall time per stage, for the ETA shown between stages
-STAGE_WEIGHT = {"prepare": 0.35, "collect": 0.07, "train": 0.33, "export": 0.01, "eval": 0.24}
+STAGE_WEIGHT = {"prepare": 0.32, "collect": 0.10, "train": 0.39, "export": 0.01, "eval": 0.18}
 
 
 def _stage_hash(cfg: RunConfig, stage: str) -> str:

@@ -577,9 +577,14 @@ def prepare(
             load_source(spec, regenerate=False)  # raises the explanatory error
     started = time.time()
     name = _target_name(target_name)
+    loads_model = model is None
     tokenizer, model = _load_models(cfg, target_name, tokenizer, model)
     _check_template(tokenizer)
     model_fp = _model_fingerprint(model) if cfg.regenerate else None
+    if cfg.regenerate and loads_model and getattr(target_name, "cpu_prepack", True):
+        from eagle.targets import prepack_for_cpu
+
+        prepack_for_cpu(model)  # our own copy, after its fingerprint: regeneration ~1.5x faster on a CPU
     config_hash = _config_hash(cfg, name, tokenizer, model_fp)
     out = Path(cfg.output_dir)
     meta_path = out / "prepare_meta.json"
