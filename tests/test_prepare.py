@@ -218,6 +218,30 @@ def test_stdlib_code_prompts():
     assert len(convs) == 5 and [c.messages for c in convs] == prompts[:5]
 
 
+def test_stdlib_code_prompts_are_the_same_in_every_process():
+    """The requests feed the prepare cache keys: a default like `pat=<... object at 0x7f..>` once changed them from
+    run to run, so a re-run redid a finished regeneration. Two fresh interpreters (other hash seeds, other
+    addresses) must build the same requests."""
+    import os
+    import subprocess
+    import sys
+
+    code = "from train.sources import source_stamp; print(source_stamp('stdlib-code'))"
+    root = Path(__file__).resolve().parent.parent
+    stamps = {
+        subprocess.run(
+            [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    }
+    assert len(stamps) == 1 and str(S.source_stamp("stdlib-code")) + "\n" in stamps
+    texts = [t for _, t in S._stdlib_items()]
+    assert not any(" at 0x" in t for t in texts)
+    assert any("def IS_LINE_JUNK(line, pat=...)" in t for t in texts)  # the address-bearing default, written ...
+    assert S._clean_signature("(f=<function <lambda> at 0x7f00aa>, /)") == "(f=...)"
+
+
 def test_humaneval_is_evaluation_only(tmp_path):
     assert len(S.humaneval_prompts()) == 164
     dev = S.load_prompts("dev-code")

@@ -324,8 +324,16 @@ def _first_paragraph(doc: str, name: str) -> str:
     return para
 
 
+# an object's default repr carries its memory address (`pat=<built-in method match of re.Pattern object at 0x7f..>`,
+# one level of nested <...> as in `<function <lambda> at 0x..>`): it changes from process to process
+_ADDRESS_REPR = re.compile(r"<(?:[^<>]|<[^<>]*>)*? at 0x[0-9a-fA-F]+>")
+
+
 def _clean_signature(signature: str) -> str:
-    """Drop the positional-only marker, which reads as noise in a request."""
+    """Drop the positional-only marker, which reads as noise in a request, and write defaults whose repr holds a
+    memory address as ``...``, so that the requests (and the cache keys hashed from them) are the same in every
+    process."""
+    signature = _ADDRESS_REPR.sub("...", signature)
     return signature.replace(", /)", ")").replace("(/)", "()").replace(", /,", ",")
 
 
