@@ -275,3 +275,32 @@ def test_online_mode_demo(workspace, capsys):
     assert max(steps) == 30
     assert set(load_file(str(run / "export" / "model.safetensors"))) == EAGLE3_KEYS
     _check_report(run, workspace["target"])
+
+
+@pytest.mark.parametrize("prepack", [True, False])
+def test_data_stages_prepack_the_target_they_load(workspace, tmp_path, monkeypatch, prepack):
+    """target.cpu_prepack: regeneration (prepare) and collect run on a prepacked copy of the target on a CPU."""
+    import eagle.targets as T
+    from train.config import load_config
+    from train.pipeline import run_collect, run_prepare
+
+    swapped: list[int] = []
+    real = T.prepack_for_cpu
+    monkeypatch.setattr(T, "prepack_for_cpu", lambda module, **kw: swapped.append(real(module, **kw)) or swapped[-1])
+    cfg = load_config(
+        None,
+        [
+            f"target.name={workspace['target']}",
+            f"target.cpu_prepack={str(prepack).lower()}",
+            f"data.sources=[{workspace['sharegpt']}]",
+            "data.max_length=128",
+            "data.regen_max_new_tokens=4",
+            f"data.output_dir={tmp_path / 'data'}",
+            f"collect.output_dir={tmp_path / 'features'}",
+        ],
+    )
+    run_prepare(cfg)
+    run_collect(cfg)
+    n_linear = 2 * 7 + 1  # two decoder layers of 7 linear layers each, and the lm_head
+    assert swapped == ([n_linear, n_linear] if prepack else [])
+    assert (tmp_path / "features" / "manifest.json").is_file()
