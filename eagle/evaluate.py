@@ -363,12 +363,13 @@ def _load_head(draft: str, target: Any) -> torch.nn.Module:
 
 def _tree_tokens(tree: TreeConfig) -> int:
     """Nodes (root included) a verification forward of this tree holds at most (with its lookup branch)."""
-    lookup = deepest_draft(tree) if tree.lookup_ngram else 0
     if tree.policy == "chain":
-        return tree.depth + 1 + lookup
-    if tree.policy == "static":
-        return len(tree.static_paths or []) + 1 + lookup
-    return int(tree.total_tokens) + lookup
+        drafted = tree.depth + 1
+    elif tree.policy == "static":
+        drafted = len(tree.static_paths or []) + 1
+    else:
+        drafted = int(tree.total_tokens)
+    return drafted + (deepest_draft(tree) if tree.lookup_ngram else 0)
 
 
 def _max_positions(target: Any) -> int | None:

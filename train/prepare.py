@@ -581,10 +581,6 @@ def prepare(
     tokenizer, model = _load_models(cfg, target_name, tokenizer, model)
     _check_template(tokenizer)
     model_fp = _model_fingerprint(model) if cfg.regenerate else None
-    if cfg.regenerate and loads_model and getattr(target_name, "cpu_prepack", True):
-        from eagle.targets import prepack_for_cpu
-
-        prepack_for_cpu(model)  # our own copy, after its fingerprint: regeneration ~1.5x faster on a CPU
     config_hash = _config_hash(cfg, name, tokenizer, model_fp)
     out = Path(cfg.output_dir)
     meta_path = out / "prepare_meta.json"
@@ -601,6 +597,10 @@ def prepare(
     if cfg.regenerate:
         partial = out / f"regen-{_regen_key(cfg, name, tokenizer, model_fp)}.jsonl"
         out.mkdir(parents=True, exist_ok=True)
+        if loads_model and getattr(target_name, "cpu_prepack", True):
+            from eagle.targets import prepack_for_cpu
+
+            prepack_for_cpu(model)  # our own copy, fingerprinted above: regeneration ~1.5x faster on a CPU
         conversations = regenerate(conversations, tokenizer, model, cfg, partial)
     rows, dropped = _encode_all(conversations, tokenizer, cfg)
     for spec in cfg.sources:
