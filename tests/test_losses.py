@@ -10,7 +10,7 @@ import torch
 from eagle.errors import EagleError
 from eagle.heads import HeadCache, HeadConfig, build_head
 from eagle.testing import tiny_model
-from train.losses import eagle1_loss, eagle3_ttt_loss, ttt_attention_mask, ttt_forward
+from train.losses import chain_positions, eagle1_loss, eagle3_ttt_loss, ttt_attention_mask, ttt_forward
 from train.vocab import build_draft_vocab, check_vocab, count_tokens, load_vocab, save_vocab
 
 AUX = [1, 2, 3]
@@ -114,6 +114,35 @@ def test_ttt_forward_equals_naive_chains(left_pad):
             torch.testing.assert_close(head.logits(outs[j][r, sl.start + i]), logits, atol=1e-4, rtol=1e-4)
             checked += 1
     assert checked == (8 + 7 + 6) + (5 + 4 + 3)
+
+
+def test_chain_positions_keep_each_rows_order_and_pad_with_the_last_position():
+    needed = torch.tensor([[0, 1, 0, 1, 1], [1, 0, 0, 0, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)
+    assert chain_positions(needed).tolist() == [[1, 3, 4], [0, 4, 4], [4, 4, 4]]
+    assert chain_positions(torch.zeros(2, 3, dtype=torch.bool)).tolist() == [[2], [2]]  # K is at least 1
+
+
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_ttt_forward_on_chosen_chains_equals_the_full_rows(left_pad):
+    # steps 1.. run only along some chains; their rows must equal the all-positions computation's
+    head, target = setup("eagle3")
+    steps, t = 4, 9
+    batch = make_batch(target, [9, 6], t, left_pad=left_pad, seed=2)
+    am = batch["attention_mask"]
+    needed = torch.zeros(2, t, dtype=torch.bool)
+    needed[0, [1, 4, 5, 7]] = True
+    needed[1, [3, 6] if left_pad else [0, 2]] = True
+    chains = chain_positions(needed)
+    with torch.no_grad():
+        hidden = head.project(batch["aux_hidden"])
+        full = ttt_forward(head, batch["input_ids"], hidden, steps, am)
+        sparse = ttt_forward(head, batch["input_ids"], hidden, steps, am, chains)
+    torch.testing.assert_close(sparse[0], full[0])
+    for j in range(1, steps):
+        assert sparse[j].shape == (2, 4, full[j].shape[-1])
+        for r in range(2):
+            n = int(needed[r].sum())
+            torch.testing.assert_close(sparse[j][r, :n], full[j][r, chains[r, :n]], atol=1e-5, rtol=1e-5)
 
 
 def test_eagle3_loss_matches_hand_computation():

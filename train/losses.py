@@ -114,11 +114,17 @@ def ttt_forward(
     hidden: torch.Tensor,
     steps: int,
     attention_mask: torch.Tensor | None = None,
+    chains: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Unrolled test-time-training forward. Step j at position i reads token x_{i+j+1}, the step-(j-1) output
     at i (step 0: ``hidden``, already projected), position id i+j, and attends per :func:`ttt_attention_mask`.
     Returns the out_hidden [B,T,h] of every step; positions whose inputs run past the end are garbage that only
-    their own chain sees."""
+    their own chain sees.
+
+    ``chains`` [B,K] (long, from :func:`chain_positions`) limits steps 1.. to those root positions: step 0 still
+    runs over all T positions (every query attends to its keys), the later steps return [B,K,h] rows that equal
+    the full computation's rows at ``chains``. Training only needs the chains that reach a loss-masked label,
+    so prompt positions cost one step instead of ``steps``."""
     b, t = input_ids.shape
     am = None if attention_mask is None else attention_mask.to(input_ids.device).bool()
     # a step-0 key at p is usable when both of its inputs (x_p's feature, x_{p+1}) are real tokens
@@ -126,12 +132,48 @@ def ttt_forward(
     cache = HeadCache()
     outs = []
     for j in range(steps):
+        if chains is not None and j > 0:
+            mask, pos = _chain_attention_mask(chains, t, j, key_valid)
+            if j == 1:
+                hidden = hidden.gather(1, chains[..., None].expand(-1, -1, hidden.shape[-1]))
+            ids = _shift(input_ids, j + 1, 0).gather(1, chains)
+            hidden = head(ids, hidden, pos, mask, cache)
+            outs.append(hidden)
+            continue
         mask, pos = ttt_attention_mask(t, j, key_valid, device=input_ids.device)
         if j == 0 and key_valid is None:
             mask = None  # plain causal: lets SDPA pick its fastest kernel
         hidden = head(_shift(input_ids, j + 1, 0), hidden, pos.expand(b, -1), mask, cache)
         outs.append(hidden)
     return outs
+
+
+def chain_positions(needed: torch.Tensor) -> torch.Tensor:
+    """Root positions [B,K] of the chains a loss needs (``needed`` [B,T] bool), each row's in order and padded
+    with its last position (T-1) to the longest row's count K (at least 1); padded chains are computed and
+    ignored."""
+    b, t = needed.shape
+    k = max(int(needed.sum(1).max()) if b else 0, 1)
+    # stable sort puts each row's needed positions first, in order; the rest are replaced by T-1
+    order = torch.sort((~needed).to(torch.int8), dim=1, stable=True).indices[:, :k]
+    keep = torch.arange(k, device=needed.device)[None] < needed.sum(1, keepdim=True)
+    return torch.where(keep, order, torch.full_like(order, t - 1))
+
+
+def _chain_attention_mask(
+    chains: torch.Tensor, length: int, step: int, key_valid: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ttt_attention_mask` for the chains rooted at ``chains`` [B,K] only: keys are the T step-0 keys and
+    then K keys per later step. Returns ``(mask bool [B,1,K,T+step*K], position_ids [B,K])``."""
+    keys = torch.arange(length, device=chains.device)
+    step0 = keys[None, None, :] <= chains[..., None]
+    if key_valid is not None:
+        own = keys[None, None, :] == chains[..., None]
+        step0 = (step0 & key_valid.to(device=chains.device, dtype=torch.bool)[:, None, :]) | own
+    k = chains.shape[1]
+    diag = torch.eye(k, dtype=torch.bool, device=chains.device)[None].expand(chains.shape[0], -1, -1)
+    mask = torch.cat([step0] + [diag] * step, dim=-1)
+    return mask[:, None], chains + step
 
 
 def eagle3_ttt_loss(
@@ -152,7 +194,8 @@ def eagle3_ttt_loss(
     ``loss_mask[i+j+2]`` is set and tokens i..i+j+2 are real; each step is a mean over its own count.
 
     Only the target's logits at the draft ids are computed for the CE (``last_hidden @ W[draft_ids].T``), not
-    the full ``lm_head`` over the whole vocabulary.
+    the full ``lm_head`` over the whole vocabulary; the head's logits only where a label counts; and steps 1..
+    only along the chains that reach a label (:func:`chain_positions`): prompt tokens are context, run once.
 
     Metrics: ``loss``, per step ``loss_j``, ``acc_j`` and ``count_j``. ``acc_j``: the head's argmax mapped to
     target ids equals the target's top token. With ``exact_top1`` (evaluation) that is the target's argmax over
@@ -177,28 +220,40 @@ def eagle3_ttt_loss(
     target_logp = torch.log_softmax(draft_logits, dim=-1)
     del draft_logits
 
-    outs = ttt_forward(head, ids, hidden, ttt_steps, None if bool(am.all()) else am)
-    valid = am & _shift(am, 1, False) & _shift(am, 2, False)
+    # counted[j][b, i]: step j's prediction at root i has a label (x_{i+j+2} loss-masked, inputs real)
+    counted, valid = [], am & _shift(am, 1, False) & _shift(am, 2, False)
+    for j in range(ttt_steps):
+        counted.append(valid & _shift(lm, j + 2, False))
+        valid = valid & _shift(am, j + 3, False)
+    chains = None
+    if ttt_steps > 1:  # steps 1.. only along the chains that reach a label
+        chains = chain_positions(torch.stack(counted[1:]).any(0))
+    outs = ttt_forward(head, ids, hidden, ttt_steps, None if bool(am.all()) else am, chains)
     total = hidden.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
     for j, out in enumerate(outs):
-        n = t - j - 1  # positions i whose label x_{i+j+1} exists
-        mask = (valid & _shift(lm, j + 2, False))[:, : max(n, 0)]
+        # roots of this step's rows: every position for step 0, the chains after it
+        roots = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], -1) if j == 0 else chains
+        mask = counted[j].gather(1, roots)
         count = mask.sum()
-        if n <= 0:
-            loss_j = acc_j = total.new_zeros(())
+        if not bool(mask.any()):
+            # nothing to learn here, but every parameter stays in the graph (DDP expects gradients for all)
+            loss_j = 0.0 * head.logits(out[:, :1]).float().sum()
+            acc_j = total.new_zeros(())
         else:
-            logits = head.logits(out[:, :n]).float()
-            p = target_logp[:, j + 1 :].exp()
+            # logits only where a label counts: [N, draft_vocab]
+            logits = head.logits(out[mask]).float()
+            label = (roots + j + 1).clamp(max=t - 1)[mask]
+            rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(roots)[mask]
+            p = target_logp[rows, label].exp()
             ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
-            loss_j = torch.where(mask, ce, 0.0).sum() / count.clamp(min=1)
-            hit = head.draft_to_target(logits.argmax(-1)) == target_top[:, j + 1 :]
-            acc_j = (hit & mask).sum() / count.clamp(min=1)
+            loss_j = ce.sum() / count
+            hit = head.draft_to_target(logits.argmax(-1)) == target_top[rows, label]
+            acc_j = hit.sum() / count
         total = total + step_decay**j * loss_j
         metrics[f"loss_{j}"] = loss_j.detach()
         metrics[f"acc_{j}"] = acc_j.detach().float()
         metrics[f"count_{j}"] = count.detach()
-        valid = valid & _shift(am, j + 3, False)
     if not outs:  # ttt_steps == 0: keep the graph connected so backward() still works
         total = total + 0.0 * hidden.sum()
     metrics["loss"] = total.detach()
