@@ -31,7 +31,7 @@ from eagle.drafter import Drafter, HeadDrafter
 from eagle.errors import EagleError
 from eagle.fileio import write_json_atomic
 from eagle.speculate import GenerationResult, plain_generate, speculative_generate
-from eagle.tree import TreeConfig, deepest_draft
+from eagle.tree import TreeConfig, lookup_length
 
 METHODS = ("speculative", "plain", "prompt_lookup")
 
@@ -369,7 +369,7 @@ def _tree_tokens(tree: TreeConfig) -> int:
         drafted = len(tree.static_paths or []) + 1
     else:
         drafted = int(tree.total_tokens)
-    return drafted + (deepest_draft(tree) if tree.lookup_ngram else 0)
+    return drafted + lookup_length(tree)
 
 
 def _max_positions(target: Any) -> int | None:
@@ -419,7 +419,7 @@ def print_report_table(report: dict[str, Any], console: Any = None) -> None:
     tree = report["tree"]
     size = f", {tree['total_tokens']} tokens" if tree["policy"] == "dynamic" else ""
     if tree.get("lookup_ngram"):
-        size += " + lookup branch"
+        size += f" + lookup branch of {tree['lookup_tokens']}" if tree.get("lookup_tokens") else " + lookup branch"
     table = Table(
         box=box.SIMPLE_HEAD,
         padding=(0, 1),

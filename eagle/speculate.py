@@ -31,7 +31,7 @@ from transformers import DynamicCache
 from eagle.cache import gather_cache
 from eagle.drafter import Drafter
 from eagle.errors import EagleError
-from eagle.tree import DraftTree, TreeConfig, deepest_draft, graft_chain, lookup_continuation
+from eagle.tree import DraftTree, TreeConfig, deepest_node, graft_chain, lookup_continuation, lookup_length
 from eagle.verify import LazyRows, logits_to_probs, verify_greedy, verify_sampling
 
 _MASKABLE_ATTENTION = ("eager", "sdpa")
@@ -337,7 +337,7 @@ def speculative_generate(
     dtype = model.get_input_embeddings().weight.dtype
     kw = _cache_kwarg(model)
     input_ids = input_ids.to(device)
-    result = GenerationResult(tokens=[], accepted_per_depth=[0] * deepest_draft(tree_cfg))
+    result = GenerationResult(tokens=[], accepted_per_depth=[0] * deepest_node(tree_cfg))
 
     t_start = time.perf_counter()
     # A full-size cache even for sliding-window layers: rejected drafts must be removable, and our masks apply
@@ -365,7 +365,7 @@ def speculative_generate(
         if tree_cfg.lookup_ngram:
             history = prompt_ids + tokens
             tree = graft_chain(
-                tree, lookup_continuation(history, tree_cfg.lookup_ngram, deepest_draft(tree_cfg))
+                tree, lookup_continuation(history, tree_cfg.lookup_ngram, lookup_length(tree_cfg))
             )
         _sync(device)
         t1 = time.perf_counter()

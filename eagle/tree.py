@@ -33,7 +33,7 @@ class TreeConfig:
 
     ``lookup_ngram`` > 0 adds a prompt-lookup branch to every tree (on top of the node budget): the tokens that
     followed the latest earlier occurrence of the context's last n-gram (n = lookup_ngram down to 1), up to the
-    tree's depth, merged into the drafted tree. It catches what the context repeats (code that restates the
+    tree's depth (or ``lookup_tokens`` when set), merged into the drafted tree. It catches what the context repeats (code that restates the
     prompt, quoted names) and never changes the output: verification treats it as any other draft.
     """
 
@@ -43,12 +43,17 @@ class TreeConfig:
     total_tokens: int | str = 16
     static_paths: list[list[int]] | None = None
     lookup_ngram: int = 0
+    lookup_tokens: int = 0  # length of the lookup branch; 0 = the tree's depth
 
     def validate(self) -> TreeConfig:
         """Raise EagleError on an inconsistent configuration; return self."""
         if not isinstance(self.lookup_ngram, int) or self.lookup_ngram < 0:
             raise EagleError(
                 f"tree lookup_ngram must be an integer >= 0 (0 = no prompt-lookup branch), got {self.lookup_ngram!r}"
+            )
+        if not isinstance(self.lookup_tokens, int) or self.lookup_tokens < 0:
+            raise EagleError(
+                f"tree lookup_tokens must be an integer >= 0 (0 = as deep as the tree), got {self.lookup_tokens!r}"
             )
         if self.policy not in POLICIES:
             raise EagleError(f"tree policy {self.policy!r} is unknown; use one of {', '.join(POLICIES)}")
@@ -82,6 +87,18 @@ def deepest_draft(cfg: TreeConfig) -> int:
     if cfg.policy == "static":
         return max(len(p) for p in cfg.static_paths or [[0]])
     return cfg.depth
+
+
+def lookup_length(cfg: TreeConfig) -> int:
+    """How many tokens the prompt-lookup branch may hold (0 without one)."""
+    if not cfg.lookup_ngram:
+        return 0
+    return cfg.lookup_tokens or deepest_draft(cfg)
+
+
+def deepest_node(cfg: TreeConfig) -> int:
+    """The deepest node a verified tree of this configuration can hold, lookup branch included."""
+    return max(deepest_draft(cfg), lookup_length(cfg))
 
 
 def lookup_continuation(history: Sequence[int], max_ngram: int, num_tokens: int) -> list[int]:

@@ -46,7 +46,9 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
 
 
 def _tree_text(tree: dict[str, Any]) -> str:
-    lookup = " + lookup" if tree.get("lookup_ngram") else ""
+    lookup = ""
+    if tree.get("lookup_ngram"):
+        lookup = f" + lookup {tree['lookup_tokens']}" if tree.get("lookup_tokens") else " + lookup"
     if tree.get("policy") == "chain":
         return f"chain d{tree['depth']}{lookup}"
     if tree.get("policy") == "static":

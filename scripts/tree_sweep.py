@@ -9,7 +9,8 @@ checks that every speculative output equals plain greedy decoding.
     python scripts/tree_sweep.py --draft runs/demo/export --trees chain:3 chain:4 dynamic:4:2:6 dynamic:5:4:12
 
 Tree specs: ``chain:DEPTH`` or ``dynamic:DEPTH:TOP_K:TOTAL_TOKENS``, optionally with ``+lookup`` (a prompt-lookup
-branch of 3-grams down to 1-grams, ``eval.tree.lookup_ngram``).
+branch of 3-grams down to 1-grams, ``eval.tree.lookup_ngram``) or ``+lookup:TOKENS`` (a branch of up to TOKENS
+tokens, ``eval.tree.lookup_tokens``).
 """
 
 from __future__ import annotations
@@ -37,17 +38,21 @@ from eagle.tree import TreeConfig  # noqa: E402
 def parse_tree(spec: str) -> TreeConfig:
     """``chain:D`` or ``dynamic:D:K:N``, optionally ``+lookup`` (a prompt-lookup branch) -> a TreeConfig."""
     spec, plus, extra = spec.partition("+")
-    if plus and extra != "lookup":
-        raise EagleError(f"tree spec suffix {extra!r} is unknown; use +lookup")
-    lookup = 3 if plus else 0
+    name, _, length = extra.partition(":")
+    if plus and (name != "lookup" or not (length == "" or length.isdigit())):
+        raise EagleError(f"tree spec suffix {extra!r} is unknown; use +lookup or +lookup:TOKENS")
+    lookup, lookup_tokens = (3 if plus else 0), int(length or 0)
     parts = spec.split(":")
     try:
         if parts[0] == "chain" and len(parts) == 2:
-            return TreeConfig(policy="chain", depth=int(parts[1]), lookup_ngram=lookup).validate()
+            return TreeConfig(
+                policy="chain", depth=int(parts[1]), lookup_ngram=lookup, lookup_tokens=lookup_tokens
+            ).validate()
         if parts[0] == "dynamic" and len(parts) == 4:
             d, k, n = (int(p) for p in parts[1:])
             return TreeConfig(
-                policy="dynamic", depth=d, top_k=k, total_tokens=n, lookup_ngram=lookup
+                policy="dynamic", depth=d, top_k=k, total_tokens=n, lookup_ngram=lookup,
+                lookup_tokens=lookup_tokens,
             ).validate()
     except ValueError:
         pass

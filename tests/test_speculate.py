@@ -386,6 +386,25 @@ def test_prompt_lookup_branch_keeps_greedy_output_and_accepts_repeats(policy):
     assert res.tokens == ref
 
 
+def test_lookup_branch_longer_than_the_tree_accepts_past_its_depth():
+    # the random 16-token target loops: a 10-token lookup branch below a depth-2 chain accepts runs longer than
+    # the chain could, and the output stays the target's greedy one
+    small = target("llama-v16")
+    ref = reference("llama-v16", 0, 40)
+    short = TreeConfig("chain", depth=2, lookup_ngram=3)
+    long = replace(short, lookup_tokens=10)
+    res = {}
+    for cfg in (short, long):
+        drafter = HeadDrafter(head("llama-v16", "eagle1"))
+        res[cfg.lookup_tokens] = out = speculative_generate(small, drafter, prompt(vocab=16), 40, cfg)
+        check_result(out, ref)
+        assert drafter.cache.length == T + sum(out.accept_lengths[:-1])
+    assert len(res[0].accepted_per_depth) == 2 and len(res[10].accepted_per_depth) == 10
+    assert max(res[0].accept_lengths) <= 3 < max(res[10].accept_lengths)
+    assert sum(res[10].accepted_per_depth[2:]) > 0
+    assert res[10].target_forwards < res[0].target_forwards
+
+
 def test_cpu_prepacked_target_and_head_keep_greedy_output():
     import copy
 

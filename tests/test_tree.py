@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,8 +19,10 @@ from eagle.tree import (
     build_static_tree,
     build_tree,
     deepest_draft,
+    deepest_node,
     graft_chain,
     lookup_continuation,
+    lookup_length,
     resolve_total_tokens,
     tree_from_parents,
 )
@@ -238,3 +241,15 @@ def test_graft_chain_reuses_drafted_nodes_and_appends_the_rest():
     assert deepest_draft(TreeConfig("static", static_paths=[[0], [0, 0], [0, 0, 1]])) == 3
     with pytest.raises(EagleError, match="lookup_ngram"):
         TreeConfig(lookup_ngram=-1).validate()
+
+
+def test_lookup_branch_length_defaults_to_the_depth_and_can_exceed_it():
+    chain3 = TreeConfig("chain", depth=3)
+    assert lookup_length(chain3) == 0 and deepest_node(chain3) == 3  # no lookup branch
+    assert lookup_length(replace(chain3, lookup_ngram=2)) == 3  # as deep as the tree
+    longer = replace(chain3, lookup_ngram=2, lookup_tokens=8)
+    assert lookup_length(longer) == 8 and deepest_node(longer) == 8
+    assert deepest_node(replace(chain3, lookup_ngram=2, lookup_tokens=2)) == 3  # a shorter branch
+    for bad in (-1, 2.5, "8"):
+        with pytest.raises(EagleError, match="lookup_tokens"):
+            TreeConfig(lookup_ngram=3, lookup_tokens=bad).validate()
