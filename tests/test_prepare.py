@@ -236,6 +236,21 @@ def test_stdlib_code_prompts_are_the_same_in_every_process():
         for seed in ("1", "2")
     }
     assert len(stamps) == 1 and str(S.source_stamp("stdlib-code")) + "\n" in stamps
+    # nor on what this process imported or set up: transformers adds methods to logging.Logger, torch.package
+    # replaces inspect.getfile, and a list default's repr grows with the process's logging handlers
+    import logging
+
+    import torch.package  # noqa: F401
+    import transformers  # noqa: F401
+
+    handler = logging.StreamHandler()
+    logging.getLogger("eagle-test-stdlib").addHandler(handler)
+    S._stdlib_items.cache_clear()
+    try:
+        assert str(S.source_stamp("stdlib-code")) + "\n" in stamps
+    finally:
+        logging.getLogger("eagle-test-stdlib").removeHandler(handler)
+        S._stdlib_items.cache_clear()
     texts = [t for _, t in S._stdlib_items()]
     assert not any(" at 0x" in t for t in texts)
     assert any("def IS_LINE_JUNK(line, pat=...)" in t for t in texts)  # the address-bearing default, written ...

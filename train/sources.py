@@ -291,7 +291,11 @@ STDLIB_MODULES = (
     "binascii", "calendar", "colorsys", "html", "urllib.parse", "fnmatch", "glob", "ipaddress", "secrets",
     "hashlib", "zlib", "struct", "copy", "pprint", "enum", "decimal", "dataclasses", "contextlib", "csv",
     "tempfile", "filecmp", "uuid", "unicodedata", "quopri", "shlex", "tarfile", "gzip", "fileinput", "queue",
-    "typing", "locale", "keyword", "graphlib", "sched", "io",
+    "typing", "locale", "keyword", "graphlib", "sched", "io", "ast", "codecs", "email.utils", "logging",
+    "platform", "traceback", "types", "xml.etree.ElementTree", "xml.sax.saxutils", "urllib.request",
+    "dis", "doctest", "threading", "argparse", "configparser", "bz2", "lzma", "collections.abc", "numbers",
+    "pickle", "weakref", "warnings", "zipfile", "wsgiref.util", "mimetypes", "hmac", "linecache", "tokenize",
+    "plistlib", "unittest", "concurrent.futures",
 )  # fmt: skip
 
 _VERBS = set(
@@ -371,7 +375,9 @@ STDLIB_METHOD_CLASSES = (
     "builtins.str", "builtins.bytes", "builtins.list", "builtins.dict", "builtins.set", "builtins.int",
     "builtins.float", "collections.Counter", "collections.deque", "collections.OrderedDict", "datetime.date",
     "datetime.timedelta", "fractions.Fraction", "pathlib.PurePath", "string.Template", "difflib.SequenceMatcher",
-    "textwrap.TextWrapper", "ipaddress.IPv4Network",
+    "textwrap.TextWrapper", "ipaddress.IPv4Network", "builtins.bytearray", "decimal.Decimal", "array.array",
+    "io.StringIO", "io.BytesIO", "random.Random", "pathlib.Path", "re.Pattern", "zipfile.ZipFile",
+    "collections.ChainMap", "statistics.NormalDist", "queue.Queue", "logging.Logger", "calendar.Calendar",
 )  # fmt: skip
 
 
@@ -386,13 +392,39 @@ _METHOD_PARAMS = {
 }
 
 
+class _Elided:
+    def __repr__(self) -> str:
+        return "..."
+
+
+_LITERALS = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _constant_defaults(signature: inspect.Signature) -> inspect.Signature:
+    """The signature with every default that is not a plain constant written ``...``: a list, a logger or a
+    handler's repr shows the process's state (``logging.shutdown(handlerList=[...])`` grows with each handler)."""
+    params = []
+    for p in signature.parameters.values():
+        d = p.default
+        plain = isinstance(d, _LITERALS) or (isinstance(d, tuple) and all(isinstance(x, _LITERALS) for x in d))
+        params.append(p if d is inspect.Parameter.empty or plain else p.replace(default=_Elided()))
+    return signature.replace(parameters=params)
+
+
+_STDLIB_TOP = frozenset(sys.stdlib_module_names) | {"builtins"}
+
+
 def _documented(obj: Any, name: str) -> tuple[str, str] | None:
-    """``(signature, first docstring paragraph)`` of a callable worth a request, else None."""
+    """``(signature, first docstring paragraph)`` of a callable worth a request, else None (also for one that a
+    third-party package put in the standard library's place: the requests must not depend on what was imported)."""
+    home = getattr(obj, "__module__", None)
+    if isinstance(home, str) and home.split(".")[0] not in _STDLIB_TOP:
+        return None
     para = _first_paragraph(inspect.getdoc(obj) or "", name)
     if not 15 <= len(para) <= 500 or "deprecated" in para.lower():
         return None
     try:
-        return _clean_signature(str(inspect.signature(obj))), para
+        return _clean_signature(str(_constant_defaults(inspect.signature(obj)))), para
     except (TypeError, ValueError):  # builtins without introspectable signatures
         return None
 
