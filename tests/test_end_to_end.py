@@ -127,10 +127,12 @@ def _check_report(run_dir: Path, target_dir: Path) -> dict:
         check_greedy_report_section(section, len(PROMPTS))
         assert len(PROMPTS) <= section["new_tokens"] <= len(PROMPTS) * MAX_NEW
         assert section["target_forwards"] >= 1 and section["acceptance_length_mean"] >= 1.0
-        assert len(section["per_depth_acceptance"]) == 3
+        # the demo's prompt-lookup branch (10 tokens) reaches deeper than the depth-3 tree
+        assert len(section["per_depth_acceptance"]) == 10
         assert all(0.0 <= r <= 1.0 for r in section["per_depth_acceptance"])
     tree = report["tree"]
     assert (tree["policy"], tree["depth"], tree["top_k"], tree["total_tokens"]) == ("dynamic", 3, 2, 8)
+    assert (tree["lookup_ngram"], tree["lookup_tokens"]) == (3, 10)
     assert report["target"] == str(target_dir)
     assert Path(report["head"]) == run_dir / "export"
     assert [p["first_mismatch"] for p in report["prompts"]] == [None] * len(PROMPTS)
