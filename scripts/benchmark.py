@@ -170,6 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--lookup-ngram", type=int, default=0, help="add a prompt-lookup branch to every tree (0 = off)"
     )
     p.add_argument(
+        "--lookup-tokens", type=int, default=0, help="length of the lookup branch (0 = the tree's depth)"
+    )
+    p.add_argument(
         "--cpu-prepack",
         action="store_true",
         help="oneDNN prepacked linear layers on a CPU (eval.cpu_prepack)",
@@ -193,6 +196,7 @@ def run(args: argparse.Namespace) -> list[Path]:
         top_k=args.top_k,
         total_tokens=args.total_tokens,
         lookup_ngram=args.lookup_ngram,
+        lookup_tokens=args.lookup_tokens,
     )
     target = load_target(
         TargetConfig(name=args.target or EMBEDDED_TARGET, dtype=args.dtype, device=args.device)

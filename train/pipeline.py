@@ -141,8 +141,8 @@ STAGE_SECTIONS = {
     "export": ("target", "data", "collect", "head", "train", "export"),
     "eval": ("target", "data", "collect", "head", "train", "export", "eval"),
 }
-# rough share of the demo's wall time per stage, for the ETA shown between stages
-STAGE_WEIGHT = {"prepare": 0.32, "collect": 0.10, "train": 0.39, "export": 0.01, "eval": 0.18}
+# rough share of the demo's wall time per stage, for the ETA shown between stages (TUNING.md run 18)
+STAGE_WEIGHT = {"prepare": 0.35, "collect": 0.12, "train": 0.34, "export": 0.01, "eval": 0.18}
 
 
 def _stage_hash(cfg: RunConfig, stage: str) -> str:
