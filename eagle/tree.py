@@ -33,8 +33,9 @@ class TreeConfig:
 
     ``lookup_ngram`` > 0 adds a prompt-lookup branch to every tree (on top of the node budget): the tokens that
     followed the latest earlier occurrence of the context's last n-gram (n = lookup_ngram down to 1), up to the
-    tree's depth (or ``lookup_tokens`` when set), merged into the drafted tree. It catches what the context repeats (code that restates the
-    prompt, quoted names) and never changes the output: verification treats it as any other draft.
+    tree's depth (or ``lookup_tokens`` when set), merged into the drafted tree. It catches what the context
+    repeats (code that restates the prompt, quoted names) and never changes the output: verification treats it
+    as any other draft.
     """
 
     policy: str = "dynamic"

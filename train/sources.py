@@ -296,7 +296,7 @@ STDLIB_MODULES = (
     "dis", "doctest", "threading", "argparse", "configparser", "bz2", "lzma", "collections.abc", "numbers",
     "pickle", "weakref", "warnings", "zipfile", "wsgiref.util", "mimetypes", "hmac", "linecache", "tokenize",
     "plistlib", "unittest", "concurrent.futures",
-)  # fmt: skip
+)  # fmt: skip  (not `inspect`: torch.package replaces inspect.getfile once imported)
 
 _VERBS = set(
     "return compute convert make create get set test find split join apply remove copy read write open format "
