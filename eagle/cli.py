@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--out", default=None, help="output directory")
             p.add_argument("--target", default=None, help="target the head must match (default: the config's)")
         if name == "demo":
-            p.add_argument("--budget", type=float, default=None, help="minutes of training to spend (trades time for quality)")
+            p.add_argument("--budget", type=float, default=None, help="minutes the demo aims at (trades time for quality)")
             p.add_argument("--fresh", action="store_true", help="redo all stages instead of resuming finished ones")
     return parser
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from eagle.autotune import DEFAULT_CANDIDATES, autotune_total_tokens, max_tree_nodes
+from eagle.deadline import Deadline, check_minutes
 from eagle.drafter import Drafter, HeadDrafter
 from eagle.errors import EagleError
 from eagle.fileio import write_json_atomic
@@ -34,6 +35,7 @@ from eagle.speculate import GenerationResult, plain_generate, speculative_genera
 from eagle.tree import TreeConfig, lookup_length
 
 METHODS = ("speculative", "plain", "prompt_lookup")
+MIN_PROMPTS_PER_SET = 3  # what a time-limited evaluation still runs from every set
 
 
 @dataclass
@@ -43,6 +45,9 @@ class EvalConfig:
     draft: str = "{run_dir}/export"  # exported draft directory (model.safetensors + config.json)
     prompts: list[str] = field(default_factory=lambda: ["dev-chat", "dev-code"])  # named sets or JSONL files
     max_prompts: int | None = None  # per prompts file
+    # wall-time limit: prompts run in turn from each set and no new one starts once it is spent (each set still
+    # gets MIN_PROMPTS_PER_SET); null = every prompt. The demo sets it from its time budget.
+    max_minutes: float | None = None
     max_new_tokens: int = 128
     temperature: float = 0.0
     top_p: float = 1.0
@@ -67,6 +72,7 @@ class EvalConfig:
             )
         if self.max_prompts is not None and self.max_prompts < 1:
             raise EagleError(f"eval.max_prompts must be >= 1 or null (all), got {self.max_prompts}")
+        check_minutes(self.max_minutes, "eval.max_minutes")
         if self.max_new_tokens < 1:
             raise EagleError(f"eval.max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -479,6 +485,7 @@ def evaluate(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     cfg.validate()
+    deadline = Deadline(cfg.max_minutes)
     console = console or Console()
     if "{run_dir}" in str(cfg.report):
         raise EagleError(f"eval.report {cfg.report!r} still holds '{{run_dir}}': set run_dir or pass --out")
@@ -554,43 +561,49 @@ def evaluate(
         )
 
     runs: dict[str, list[PromptRun]] = {name: [] for name, _ in sets}
-    total = sum(len(p) for _, p in sets)
+    queue = _interleaved(sets)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     t_start = time.perf_counter()
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("eval", total=total)
-        k = 0
-        for name, prompts in sets:
-            for pid, ids in prompts:
-                progress.update(task, description=f"eval {name} {pid}")
-                order = methods[k % len(methods) :] + methods[: k % len(methods)]
-                res = _run_prompt(
-                    cfg,
-                    target,
-                    drafter,
-                    tree_cfg,
-                    torch.tensor([ids]),
-                    eos,
-                    cfg.seed + k,
-                    order,
-                    cfg.max_new_tokens,
-                )
-                lookup = res.get("prompt_lookup")
-                runs[name].append(
-                    PromptRun(
-                        name,
-                        pid,
-                        len(ids),
-                        res["speculative"],
-                        res.get("plain"),
-                        lookup[0] if lookup else None,
-                        lookup[1] if lookup else 0.0,
-                    )
-                )
-                k += 1
+        task = progress.add_task("eval", total=len(queue))
+        for k, (name, pid, ids) in enumerate(queue):
+            if deadline.expired() and len(runs[name]) >= MIN_PROMPTS_PER_SET:
                 progress.advance(task)
+                continue  # out of time: this set has its minimum, the others may not yet
+            progress.update(task, description=f"eval {name} {pid}")
+            order = methods[k % len(methods) :] + methods[: k % len(methods)]
+            res = _run_prompt(
+                cfg,
+                target,
+                drafter,
+                tree_cfg,
+                torch.tensor([ids]),
+                eos,
+                cfg.seed + k,
+                order,
+                cfg.max_new_tokens,
+            )
+            lookup = res.get("prompt_lookup")
+            runs[name].append(
+                PromptRun(
+                    name,
+                    pid,
+                    len(ids),
+                    res["speculative"],
+                    res.get("plain"),
+                    lookup[0] if lookup else None,
+                    lookup[1] if lookup else 0.0,
+                )
+            )
+            progress.advance(task)
 
     all_runs = [r for name, _ in sets for r in runs[name]]
+    skipped = len(queue) - len(all_runs)
+    if skipped:
+        console.print(
+            f"[yellow]eval: eval.max_minutes={cfg.max_minutes:g} ran out; {skipped} of {len(queue)} prompts were not "
+            "run (the report counts the prompts that were)[/]"
+        )
     report: dict[str, Any] = {
         "target": target.name,
         "target_fingerprint": target.fingerprint,
@@ -606,6 +619,8 @@ def evaluate(
         "settings": {
             "prompts": list(cfg.prompts),
             "max_prompts": cfg.max_prompts,
+            "max_minutes": cfg.max_minutes,
+            "prompts_not_run": skipped,
             "max_new_tokens": cfg.max_new_tokens,
             "temperature": cfg.temperature,
             "top_p": cfg.top_p,
@@ -633,6 +648,14 @@ def evaluate(
     print_report_table(report, console)
     console.print(f"report: {out}")
     return report
+
+
+def _interleaved(sets: Sequence[tuple[str, list[tuple[str, list[int]]]]]) -> list[tuple[str, str, list[int]]]:
+    """(set, prompt id, token ids) taking one prompt from each set in turn, so a time limit cuts every set alike."""
+    queue = []
+    for i in range(max((len(p) for _, p in sets), default=0)):
+        queue += [(name, *prompts[i]) for name, prompts in sets if i < len(prompts)]
+    return queue
 
 
 def _transformers_version() -> str:

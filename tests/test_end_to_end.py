@@ -206,6 +206,31 @@ def test_demo_writes_every_artefact(offline_run, workspace):
     stamps = json.loads((run / "stages.json").read_text())
     assert list(stamps) == ["prepare", "collect", "train", "export", "eval"]
     assert all(s["status"] == "done" and s["key"] for s in stamps.values())
+    # regeneration, training and evaluation ran with their share of the 30-minute budget as a time limit
+    limited = {name for name, s in stamps.items() if s.get("time_limit_minutes")}
+    assert limited == {"prepare", "train", "eval"}
+    assert 0.35 * 28 < stamps["prepare"]["time_limit_minutes"] <= 0.35 * 28.5
+
+
+def test_stage_time_limits_share_the_time_left():
+    from train.config import RunConfig
+    from train.pipeline import MIN_STAGE_MINUTES, STAGE_WEIGHT, _limit_stage, _stage_hash
+
+    cfg = RunConfig()
+    key = _stage_hash(cfg, "eval")
+    stages = ["prepare", "collect", "train", "export", "eval"]
+    assert _limit_stage(cfg, "prepare", stages, 1200.0) == pytest.approx(20 * STAGE_WEIGHT["prepare"])
+    assert cfg.data.regen_max_minutes == pytest.approx(7.0)
+    assert _limit_stage(cfg, "collect", stages[1:], 900.0) is None  # collect scales with the data instead
+    share = STAGE_WEIGHT["train"] / sum(STAGE_WEIGHT[s] for s in stages[2:])
+    assert _limit_stage(cfg, "train", stages[2:], 600.0) == pytest.approx(10 * share)
+    assert _limit_stage(cfg, "eval", ["eval"], 300.0) == pytest.approx(5.0)  # the last stage gets all that is left
+    assert _limit_stage(cfg, "eval", ["eval"], -60.0) == MIN_STAGE_MINUTES  # over budget: still a minimum
+    cfg.eval.max_minutes = None
+    cfg.train.max_minutes = 2.0  # a smaller limit of the user's own stays
+    assert _limit_stage(cfg, "train", stages[2:], 6000.0) == 2.0
+    # the limits depend on the time left, so they are not part of a stage's identity (a rerun still resumes)
+    assert _stage_hash(cfg, "eval") == key
 
 
 def test_exported_head_reloads_and_decodes_losslessly(offline_run, workspace):

@@ -530,6 +530,73 @@ def test_killed_regeneration_resumes(tmp_path, tok, tiny, monkeypatch):
     assert resumed["tokens"] == reference["tokens"] and resumed["config_hash"] == reference["config_hash"]
 
 
+class _Clock:
+    """A hand-wound clock for Deadline: time moves only when a test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_regeneration_time_limit_keeps_a_random_subset_and_resumes(tmp_path, tok, tiny, monkeypatch):
+    from eagle.deadline import Deadline
+
+    src = str(_chat_file(tmp_path, 12))
+    cfg = DataConfig(sources=[src], regenerate=True, regen_max_new_tokens=4, regen_batch_size=2,
+                     val_fraction=0.0, output_dir=str(tmp_path / "out"))  # fmt: skip
+    everything = P.regenerate(S.load_source(src), tok, tiny, cfg)
+    assert len(everything) == 12
+
+    clock, calls = _Clock(), []
+    real = P.generate_batch
+
+    def slow_batch(*args, **kwargs):  # every batch takes 40 "seconds"
+        calls.append(args[2])
+        clock.now += 40.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(P, "generate_batch", slow_batch)
+    partial = tmp_path / "partial.jsonl"
+    kept = P.regenerate(S.load_source(src), tok, tiny, cfg, partial, Deadline(1.0, clock=clock))
+    assert len(calls) == 2 and len(kept) == 4  # batch 1 ends at 40 s, batch 2 at 80 s > 60 s: no third batch
+    want = {c.id: c for c in everything}
+    assert all(c.messages == want[c.id].messages for c in kept)  # kept conversations are complete and the same
+    # batches run in a seeded random order, not shortest first (the prompts here all have the same length, so
+    # shortest first would mean the first four in load order)
+    assert [c.id for c in kept] != [c.id for c in everything[:4]]
+    # without a limit, a resumed run answers only the rest
+    calls.clear()
+    rest = P.regenerate(S.load_source(src), tok, tiny, cfg, partial)
+    assert len(rest) == 12 and len(calls) == 4 and [c.messages for c in rest] == [c.messages for c in everything]
+
+
+def test_prepare_cut_by_the_time_limit_is_reused_by_limited_runs_only(tmp_path, tok, tiny, monkeypatch):
+    src = str(_chat_file(tmp_path, 8))
+    cfg = DataConfig(sources=[src], regenerate=True, regen_max_new_tokens=4, regen_batch_size=2,
+                     val_fraction=0.0, output_dir=str(tmp_path / "out"), regen_max_minutes=1.0)  # fmt: skip
+    clock = _Clock()
+    monkeypatch.setattr(P, "Deadline", lambda minutes: __import__("eagle.deadline").deadline.Deadline(
+        minutes, clock=clock))  # fmt: skip
+    real = P.generate_batch
+
+    def slow_batch(*args, **kwargs):
+        clock.now += 50.0
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(P, "generate_batch", slow_batch)
+    cut = prepare(cfg, "tiny", tokenizer=tok, model=tiny)
+    assert cut["counts"]["train"] == 4 and cut["dropped"] == {"regen_time_limit": 4} and not cut["skipped"]
+    clock.now = 0.0
+    again = prepare(DataConfig(**{**cfg.__dict__, "regen_max_minutes": 5.0}), "tiny", tokenizer=tok, model=tiny)
+    assert again["skipped"] and again["config_hash"] == cut["config_hash"]  # the limit is not the data's identity
+    full = prepare(DataConfig(**{**cfg.__dict__, "regen_max_minutes": None}), "tiny", tokenizer=tok, model=tiny)
+    assert not full["skipped"] and full["counts"]["train"] == 8 and full["dropped"] == {}
+    with pytest.raises(EagleError, match="data.regen_max_minutes"):
+        DataConfig(regen_max_minutes=0).validate()
+
+
 def test_prepare_loads_the_tokenizer_through_eagle_targets(tmp_path, tok, monkeypatch):
     import eagle.targets
 

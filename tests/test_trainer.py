@@ -438,3 +438,40 @@ def test_rng_state_round_trip_through_weights_only(tmp_path):
     ck.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
     assert torch.equal(torch.rand(3), expected[0])
     assert random.random() == expected[1] and np.random.rand() == expected[2]
+
+
+def test_time_limit_shortens_the_schedule_to_fit(tmp_path, bigram_data, bigram_target, monkeypatch):
+    """train.max_minutes: at 1 s per step (a hand-wound clock), a 1-minute limit ends the run after ~58 steps
+    with the cosine decay finished, instead of the 100 epochs asked for."""
+    from eagle.deadline import Deadline
+    from train import trainer as T
+
+    clock = [0.0]
+    monkeypatch.setattr(T, "Deadline", lambda minutes: Deadline(minutes, clock=lambda: clock[0]))
+    real_step = T._Run._micro_step
+
+    def one_second_per_step(self, batch):
+        clock[0] += 1.0
+        return real_step(self, batch)
+
+    monkeypatch.setattr(T._Run, "_micro_step", one_second_per_step)
+    _, features = bigram_data
+    out = tmp_path / "run"
+    result = train(
+        target=bigram_target,
+        features_dir=features,
+        head=HeadSpec(draft_vocab_size=128),
+        cfg=cfg(out, max_minutes=1.0, log_every=5, ttt_steps=1),
+    )
+    # 60 s minus the 1.8 s kept for the final evaluation and checkpoint, at 1 s a step
+    assert 55 <= result.global_step <= 58, result.global_step
+    assert json.loads((out / "final" / "train_info.json").read_text())["time_cut"] is True
+    last = (out / "checkpoints" / "latest").read_text().strip()
+    assert last == f"step-{result.global_step:07d}"
+    state = json.loads((out / "checkpoints" / last / "trainer_state.json").read_text())
+    assert state["total_steps"] == result.global_step and state["time_cut"] is True
+    trains = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] == "train"]
+    assert trains[-1]["step"] == result.global_step
+    assert trains[-1]["lr"] < 3e-3 * 0.15  # the (rescaled) cosine reached its floor (min_lr_ratio 0.1)
+    with pytest.raises(EagleError, match="train.max_minutes"):
+        TrainConfig(max_minutes=-1).validate()

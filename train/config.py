@@ -51,12 +51,20 @@ class ExportConfig:
 class DemoConfig:
     """``demo:`` section: the end-to-end job's stage choices and time budget."""
 
+    # wall time `eagle demo` aims at: data amount and training length scale with it, and regeneration, training
+    # and evaluation stop early when their share of it is spent (so a slower machine gets a smaller head, not a
+    # longer demo)
     budget_minutes: float = 30.0
+    reserve_minutes: float = 1.5  # of the budget, kept free: the set-up before the demo starts, estimates' error
     collect: bool = True  # offline features (collect once, train several epochs) vs online training
 
     def validate(self) -> None:
         if self.budget_minutes <= 0:
             raise EagleError(f"demo.budget_minutes must be positive, got {self.budget_minutes}")
+        if not 0 <= self.reserve_minutes < self.budget_minutes:
+            raise EagleError(
+                f"demo.reserve_minutes must be >= 0 and below demo.budget_minutes, got {self.reserve_minutes}"
+            )
 
 
 @dataclass

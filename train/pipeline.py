@@ -141,8 +141,13 @@ STAGE_SECTIONS = {
     "export": ("target", "data", "collect", "head", "train", "export"),
     "eval": ("target", "data", "collect", "head", "train", "export", "eval"),
 }
-# rough share of the demo's wall time per stage, for the ETA shown between stages (TUNING.md run 18)
+# rough share of the demo's wall time per stage (TUNING.md run 18): the ETA shown between stages, and how the
+# time left is shared out among the stages that take a time limit
 STAGE_WEIGHT = {"prepare": 0.35, "collect": 0.12, "train": 0.34, "export": 0.01, "eval": 0.18}
+# the stages that stop early when their share of the budget is spent: (config section, limit key)
+TIME_LIMITS = {"prepare": ("data", "regen_max_minutes"), "train": ("train", "max_minutes"),
+               "eval": ("eval", "max_minutes")}
+MIN_STAGE_MINUTES = 1.0  # what a time-limited stage gets even when the budget is already spent
 
 
 def _stage_hash(cfg: RunConfig, stage: str) -> str:
@@ -150,6 +155,8 @@ def _stage_hash(cfg: RunConfig, stage: str) -> str:
     if "train" in data:  # how to run, not what to produce (run_demo itself changes resume)
         for key in ("progress", "resume"):
             data["train"].pop(key, None)
+    for section, key in TIME_LIMITS.values():  # set from the time left, which differs on every run
+        data.get(section, {}).pop(key, None)
     return hashlib.sha256(json.dumps(data, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -170,6 +177,18 @@ def apply_budget(cfg: RunConfig, minutes: float, default_minutes: float = 30.0) 
         cfg.train.max_steps = max(20, int(cfg.train.max_steps * factor))
     if cfg.eval.max_prompts and factor < 1:
         cfg.eval.max_prompts = max(4, int(cfg.eval.max_prompts * factor))
+
+
+def _limit_stage(cfg: RunConfig, stage: str, stages_left: list[str], seconds_left: float) -> float | None:
+    """Give a time-limited ``stage`` its share of the time left (minutes; a smaller limit the user set stays)."""
+    if stage not in TIME_LIMITS:
+        return None
+    share = STAGE_WEIGHT[stage] / sum(STAGE_WEIGHT[s] for s in stages_left)
+    minutes = max(MIN_STAGE_MINUTES, seconds_left * share / 60)
+    section, key = TIME_LIMITS[stage]
+    own = getattr(getattr(cfg, section), key)
+    setattr(getattr(cfg, section), key, minutes if own is None else min(own, minutes))
+    return getattr(getattr(cfg, section), key)
 
 
 def run_demo(cfg: RunConfig, fresh: bool = False) -> dict[str, Any]:
@@ -216,7 +235,13 @@ def run_demo(cfg: RunConfig, fresh: bool = False) -> dict[str, Any]:
         # this stage reruns, so every later stage must too
         for later in stages[i - 1 :]:
             stamps.pop(later, None)
+        seconds_left = (cfg.demo.budget_minutes - cfg.demo.reserve_minutes) * 60 - (time.time() - start)
+        limit = _limit_stage(cfg, stage, stages[i - 1 :], seconds_left)
+        if limit is not None:
+            console.print(f"{stage}: time limit {limit:.1f} min (its share of the budget left)")
         stamps[stage] = {"key": key, "status": "running", "started": time.strftime("%F %T")}
+        if limit is not None:
+            stamps[stage]["time_limit_minutes"] = round(limit, 2)
         write_json_atomic(stamps, stamps_path)
         t0 = time.time()
         results[stage] = runners[stage](cfg)

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from eagle.deadline import Deadline, check_minutes
 from eagle.errors import EagleError
 from train.sources import Conversation, Message, load_source, parse_source_spec, source_stamp
 
@@ -62,6 +63,10 @@ class DataConfig:
     regen_top_p: float = 1.0
     regen_batch_size: int = 16
     regen_max_turns: int = 1  # keep (and regenerate) only the first K assistant turns; 0 = all
+    # stop regenerating once prepare has run this long and keep the conversations answered so far (batches run
+    # in a seeded random order, so the kept ones are a random subset); null = no limit. The demo sets it from
+    # its time budget. Not part of the output's identity: a cut output is reused by runs with a limit.
+    regen_max_minutes: float | None = None
     on_overlong: str = "truncate"  # truncate: keep the first max_length tokens | skip: drop | error: raise
 
     def validate(self) -> DataConfig:
@@ -100,6 +105,7 @@ class DataConfig:
             raise bad("regen_batch_size", "a positive integer")
         if not isinstance(self.regen_max_turns, int) or self.regen_max_turns < 0:
             raise bad("regen_max_turns", "an integer >= 0 (0 = regenerate every assistant turn)")
+        check_minutes(self.regen_max_minutes, "data.regen_max_minutes")
         if self.on_overlong not in ON_OVERLONG:
             raise bad("on_overlong", f"one of {list(ON_OVERLONG)}")
         return self
@@ -319,6 +325,7 @@ def regenerate(
     model: torch.nn.Module,
     cfg: DataConfig,
     partial_path: Path | None = None,
+    deadline: Deadline | None = None,
 ) -> list[Conversation]:
     """Replace assistant turns by the model's own answers, turn by turn, in length-sorted batches.
 
@@ -326,6 +333,9 @@ def regenerate(
     with a prompt gets an answer appended. Later turns see the regenerated earlier ones. A turn whose prompt is
     already ``max_length`` tokens long is left empty (nothing after it could be trained on). Answers are appended
     to ``partial_path`` as they are made, and answers found there are reused.
+
+    Batches run in a seeded random order. Once ``deadline`` has expired no new batch starts: conversations
+    without an answer are cut before their unanswered turn, and those left without any answer are not returned.
     """
     from tqdm.auto import tqdm
 
@@ -335,7 +345,8 @@ def regenerate(
         log.info("regeneration: resuming with %d finished answers from %s", len(done), partial_path)
     stop_ids = end_of_turn_ids(tokenizer)
     slots = [[i for i, m in enumerate(c.messages) if m["role"] == "assistant"] for c in convs]
-    cut = [False] * len(convs)  # prompt reached max_length: no further turns
+    cut = [False] * len(convs)  # prompt reached max_length (or time ran out): no further turns
+    timed_out = generated = 0  # turns left unanswered by the time limit; batches generated (one at least)
     sink = partial_path.open("a", encoding="utf-8") if partial_path else None
     if sink and sink.tell() and not partial_path.read_bytes().endswith(b"\n"):
         sink.write("\n")  # a killed run may have left half a line: start a fresh one
@@ -364,8 +375,23 @@ def regenerate(
                 del convs[ci].messages[mi + 1 :]
                 cut[ci] = True
             bar.update(len(items) - len(fits))
-            for b, batch in enumerate(batches):
-                if any((convs[items[j][0]].id, turn) not in done for j in batch):
+            # each batch is length-sorted (little padding); their order is random so that a time limit keeps a
+            # random subset of the conversations rather than the shortest ones
+            shuffled = list(range(len(batches)))
+            random.Random(cfg.seed * 1_000_003 + turn).shuffle(shuffled)
+            for b in shuffled:
+                batch = batches[b]
+                missing = any((convs[items[j][0]].id, turn) not in done for j in batch)
+                if missing and generated and deadline is not None and deadline.expired():
+                    for j in batch:  # out of time: this turn and the rest of the conversation go
+                        ci, mi = items[j]
+                        del convs[ci].messages[mi:]
+                        cut[ci] = True
+                    timed_out += len(batch)
+                    bar.update(len(batch))
+                    continue
+                if missing:
+                    generated += 1
                     # the whole batch is regenerated so that its padding and seed match the first run's
                     answers = generate_batch(
                         model,
@@ -391,7 +417,14 @@ def regenerate(
     finally:
         if sink:
             sink.close()
-    return convs
+    if timed_out:
+        log.warning(
+            "regeneration: the time limit (%.1f min) ran out with %d turns unanswered; those turns and what follows "
+            "them are left out (raise data.regen_max_minutes, or unset it, to answer them all)",
+            deadline.minutes,
+            timed_out,
+        )
+    return [c for c in convs if any(m["role"] == "assistant" for m in c.messages)]
 
 
 # ------------------------------------------------------------------------------------------- pipeline
@@ -442,8 +475,12 @@ def _load_models(cfg: DataConfig, target: Any, tokenizer: Any, model: Any) -> tu
     return tokenizer, model
 
 
+# settings that say where or how long to work, not what to produce
+_NOT_IDENTITY = ("output_dir", "regen_max_minutes")
+
+
 def _config_hash(cfg: DataConfig, target: str, tokenizer: Any, model_fp: str | None) -> str:
-    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "output_dir"}
+    settings = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in _NOT_IDENTITY}
     stamps = [source_stamp(s) for s in cfg.sources]  # an edited data file must not count as up to date
     return _sha([FORMAT_VERSION, settings, stamps, target, _tokenizer_identity(tokenizer), model_fp])
 
@@ -452,7 +489,9 @@ def _regen_key(cfg: DataConfig, target: str, tokenizer: Any, model_fp: str | Non
     """What the regenerated answers depend on (not the split or the overlong policy)."""
     keys = ("sources", "max_conversations", "seed", "max_length")
     settings = {k: getattr(cfg, k) for k in keys}
-    settings.update({k: v for k, v in dataclasses.asdict(cfg).items() if k.startswith("regen_")})
+    settings.update(
+        {k: v for k, v in dataclasses.asdict(cfg).items() if k.startswith("regen_") and k not in _NOT_IDENTITY}
+    )
     stamps = [source_stamp(s) for s in cfg.sources]
     return _sha([FORMAT_VERSION, settings, stamps, target, _tokenizer_identity(tokenizer), model_fp])
 
@@ -576,6 +615,8 @@ def prepare(
         if parsed.needs_regeneration and not cfg.regenerate:
             load_source(spec, regenerate=False)  # raises the explanatory error
     started = time.time()
+    deadline = Deadline(cfg.regen_max_minutes)  # counts model loading too: the limit is for prepare as a whole
+    unanswered = 0
     name = _target_name(target_name)
     loads_model = model is None
     tokenizer, model = _load_models(cfg, target_name, tokenizer, model)
@@ -589,9 +630,12 @@ def prepare(
             old = json.loads(meta_path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError):
             old = {}
-        if old.get("config_hash") == config_hash:
+        was_cut = bool((old.get("dropped") or {}).get("regen_time_limit"))
+        if old.get("config_hash") == config_hash and not (was_cut and cfg.regen_max_minutes is None):
             log.info("prepare: %s is up to date (same settings); skipping", out)
             return {**old, "skipped": True}
+        if old.get("config_hash") == config_hash:
+            log.info("prepare: %s was cut by a time limit; answering the rest (no limit now)", out)
 
     conversations, stats = _select(cfg)
     if cfg.regenerate:
@@ -601,8 +645,12 @@ def prepare(
             from eagle.targets import prepack_for_cpu
 
             prepack_for_cpu(model)  # our own copy, fingerprinted above: regeneration ~1.5x faster on a CPU
-        conversations = regenerate(conversations, tokenizer, model, cfg, partial)
+        selected = len(conversations)
+        conversations = regenerate(conversations, tokenizer, model, cfg, partial, deadline)
+        unanswered = selected - len(conversations)
     rows, dropped = _encode_all(conversations, tokenizer, cfg)
+    if unanswered:
+        dropped["regen_time_limit"] = unanswered
     for spec in cfg.sources:
         stats[spec]["kept"] = sum(r[0].source == spec for r in rows)
         if stats[spec]["selected"] and not stats[spec]["kept"]:

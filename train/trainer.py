@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from eagle.deadline import Deadline, check_minutes
 from eagle.errors import EagleError
 
 REPORTERS = ("none", "tensorboard", "wandb")
@@ -74,6 +75,8 @@ class TrainConfig:
     output_dir: str = "{run_dir}/train"  # checkpoints/, final/, metrics.jsonl, curves, tb/, wandb/
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; caps ``epochs`` when set
+    # wall-time limit for this invocation: the schedule (cosine included) is shortened to end in time; null = none
+    max_minutes: float | None = None
     batch_size: int = 8  # sequences per process per micro-step
     # when set: batches of about this many padded tokens per process (replaces batch_size)
     batch_tokens: int | None = None
@@ -118,6 +121,7 @@ class TrainConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise EagleError(f"train.{name} must be >= 1 or unset, got {value}")
+        check_minutes(self.max_minutes, "train.max_minutes")
         if self.mode not in ("offline", "online"):
             raise EagleError(
                 f"train.mode must be offline (from collected features) or online, got {self.mode!r}"
@@ -649,6 +653,7 @@ class _Run:
         from train.logging import MetricsLogger
 
         self.cfg, self.on_checkpoint = cfg, on_checkpoint
+        self.deadline = Deadline(cfg.max_minutes)  # loading counts too
         self.accelerator = acc = _make_accelerator(cfg)
         self.rank, self.world, self.main = acc.process_index, acc.num_processes, acc.is_main_process
         self.deepspeed = acc.distributed_type.name == "DEEPSPEED"
@@ -735,15 +740,13 @@ class _Run:
             )
         total = self.steps_per_epoch * cfg.epochs
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps is not None else total
-        warmup = (
-            cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
-        )
+        self.warmup = self._warmup_steps()
 
         model = HeadWithLoss(head, target.model.get_output_embeddings(), hcfg.kind, cfg)
         model.train()
         optimizer = _optimizer(head, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, _lr_lambda(self.total_steps, warmup, cfg.min_lr_ratio)
+            optimizer, _lr_lambda(self.total_steps, self.warmup, cfg.min_lr_ratio)
         )
         self.num_parameters = sum(p.numel() for p in head.parameters())  # before ZeRO-3 partitions them
         self.model, self.optimizer = acc.prepare(model, optimizer)
@@ -751,6 +754,7 @@ class _Run:
         self.unwrapped = acc.unwrap_model(self.model)
 
         self.state = {"epoch": 0, "micro_batch": 0, "global_step": 0, "tokens_seen": 0, "last_eval_step": -1}
+        self.time_cut = False  # the schedule was shortened to fit train.max_minutes
         if resume_path is not None:
             self._restore(resume_path)
         self.start_step = self.state["global_step"]
@@ -785,6 +789,8 @@ class _Run:
         )
         for key in self.state:
             self.state[key] = saved.get(key, self.state[key])
+        if saved.get("time_cut") and saved.get("total_steps", self.total_steps) < self.total_steps:
+            self._set_total_steps(int(saved["total_steps"]))  # continue the shortened schedule
         now = {"world_size": self.world, **dataclasses.asdict(self.cfg)}
         changed = [
             k
@@ -797,6 +803,46 @@ class _Run:
                 "differs from the interrupted run's",
                 stacklevel=4,
             )
+
+    # ---- schedule length
+
+    def _warmup_steps(self) -> int:
+        cfg = self.cfg
+        return cfg.warmup_steps if cfg.warmup_steps is not None else int(cfg.warmup_ratio * self.total_steps)
+
+    def _set_total_steps(self, total: int) -> None:
+        """Shorten the run to ``total`` optimizer steps: warm-up and cosine decay are rescaled to it."""
+        self.total_steps, self.time_cut = total, True
+        self.warmup = self._warmup_steps()
+        factor = _lr_lambda(total, self.warmup, self.cfg.min_lr_ratio)
+        self.scheduler.lr_lambdas = [factor] * len(self.scheduler.lr_lambdas)
+        if getattr(self, "bar", None) is not None:
+            self.bar.total = total
+            self.bar.refresh()
+
+    def _fit_to_deadline(self, step: int) -> None:
+        """Shorten the schedule when the steps left would run past ``train.max_minutes`` (never lengthen it).
+
+        The time per step so far includes the periodic evaluations and checkpoints; a little is kept for the
+        final evaluation and checkpoint. Every process takes the smallest step count any of them computed.
+        """
+        done = step - self.start_step
+        if not self.deadline.limited or done <= 0:
+            return
+        per_step = (self.deadline.elapsed() - self.fit_started) / done
+        reserve = min(30.0, 0.03 * self.deadline.minutes * 60)
+        fits = step + max(0, int((self.deadline.remaining() - reserve) / per_step))
+        total = min(self.total_steps, max(step, fits))
+        if self.world > 1:
+            total = int(self.accelerator.gather(torch.tensor([total], device=self.accelerator.device)).min())
+        if total < self.total_steps:
+            if self.main and not self.time_cut:
+                print(
+                    f"train: at {per_step:.2f} s/step, {self.total_steps:,} steps would overrun "
+                    f"train.max_minutes={self.deadline.minutes:g}; shortening the schedule to {total:,} steps",
+                    flush=True,
+                )
+            self._set_total_steps(total)
 
     # ---- pieces of the loop
 
@@ -816,6 +862,7 @@ class _Run:
             "seed": cfg.seed,
             "mode": cfg.mode,
             "total_steps": self.total_steps,
+            "time_cut": self.time_cut,
             "target_fingerprint": self.target.fingerprint,
             "vocab_data_fingerprint": self.vocab_fp,
             "eval": self.eval_metrics,
@@ -944,6 +991,7 @@ class _Run:
             )
         self.window, self.skipped, self.grad_norm = _Window(), 0, float("nan")
         self.t_last, self.tokens_last = time.perf_counter(), state["tokens_seen"]
+        self.fit_started = self.deadline.elapsed()
         self.bar = tqdm(
             total=self.total_steps,
             initial=self.start_step,
@@ -971,6 +1019,8 @@ class _Run:
                     state["global_step"] += 1
                     step = state["global_step"]
                     self.bar.update(1)
+                    if step % cfg.log_every == 0:
+                        self._fit_to_deadline(step)
                     if step % cfg.log_every == 0 or step == self.total_steps:
                         self._log_train(step, lr, usable)
                     if self.eval_plan and cfg.eval_every and step % cfg.eval_every == 0:
@@ -1002,7 +1052,12 @@ class _Run:
             with ck.write_guard(f"the final head {final_dir}", tmp):  # the old final/ stays until replaced
                 tmp.mkdir()
                 ck.save_head_files(tmp, weights, config, self.vocab)
-                info = {"global_step": step, "checkpoint": self.last_ckpt.name, "eval": self.eval_metrics}
+                info = {
+                    "global_step": step,
+                    "checkpoint": self.last_ckpt.name,
+                    "eval": self.eval_metrics,
+                    "time_cut": self.time_cut,
+                }
                 ck.write_json_atomic(info, tmp / "train_info.json")
             ck.replace_dir(tmp, final_dir)
         self.logger.close(plot=True)
