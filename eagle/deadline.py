@@ -38,6 +38,10 @@ class Deadline:
     def expired(self) -> bool:
         return self.remaining() <= 0
 
+    def fits(self, seconds: float) -> bool:
+        """Whether a piece of work expected to take ``seconds`` would end within the limit."""
+        return self.remaining() >= seconds
+
 
 def check_minutes(value: float | None, name: str) -> None:
     """Raise EagleError unless ``value`` is a positive number of minutes or None (``name`` is the config key)."""

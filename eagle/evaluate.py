@@ -45,8 +45,8 @@ class EvalConfig:
     draft: str = "{run_dir}/export"  # exported draft directory (model.safetensors + config.json)
     prompts: list[str] = field(default_factory=lambda: ["dev-chat", "dev-code"])  # named sets or JSONL files
     max_prompts: int | None = None  # per prompts file
-    # wall-time limit: prompts run in turn from each set and no new one starts once it is spent (each set still
-    # gets MIN_PROMPTS_PER_SET); null = every prompt. The demo sets it from its time budget.
+    # wall-time limit: prompts run in turn from each set and no new one starts unless one of the mean duration so
+    # far would end in time (each set still gets MIN_PROMPTS_PER_SET); null = every prompt. The demo sets it.
     max_minutes: float | None = None
     max_new_tokens: int = 128
     temperature: float = 0.0
@@ -562,14 +562,17 @@ def evaluate(
 
     runs: dict[str, list[PromptRun]] = {name: [] for name, _ in sets}
     queue = _interleaved(sets)
+    prompt_time = 0.0  # seconds spent on the prompts run so far (a time limit skips what would not fit)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     t_start = time.perf_counter()
     with Progress(*columns, console=console, transient=True) as progress:
         task = progress.add_task("eval", total=len(queue))
         for k, (name, pid, ids) in enumerate(queue):
-            if deadline.expired() and len(runs[name]) >= MIN_PROMPTS_PER_SET:
+            done = sum(len(r) for r in runs.values())
+            if done and len(runs[name]) >= MIN_PROMPTS_PER_SET and not deadline.fits(prompt_time / done):
                 progress.advance(task)
-                continue  # out of time: this set has its minimum, the others may not yet
+                continue  # no time for another prompt of the mean length so far; this set has its minimum
+            t0 = deadline.elapsed()
             progress.update(task, description=f"eval {name} {pid}")
             order = methods[k % len(methods) :] + methods[: k % len(methods)]
             res = _run_prompt(
@@ -595,6 +598,7 @@ def evaluate(
                     lookup[1] if lookup else 0.0,
                 )
             )
+            prompt_time += deadline.elapsed() - t0
             progress.advance(task)
 
     all_runs = [r for name, _ in sets for r in runs[name]]

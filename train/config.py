@@ -55,7 +55,7 @@ class DemoConfig:
     # and evaluation stop early when their share of it is spent (so a slower machine gets a smaller head, not a
     # longer demo)
     budget_minutes: float = 30.0
-    reserve_minutes: float = 1.5  # of the budget, kept free: the set-up before the demo starts, estimates' error
+    reserve_minutes: float = 2.5  # of the budget, kept free: the set-up before the demo starts, estimates' error
     collect: bool = True  # offline features (collect once, train several epochs) vs online training
 
     def validate(self) -> None:

@@ -334,7 +334,8 @@ def regenerate(
     already ``max_length`` tokens long is left empty (nothing after it could be trained on). Answers are appended
     to ``partial_path`` as they are made, and answers found there are reused.
 
-    Batches run in a seeded random order. Once ``deadline`` has expired no new batch starts: conversations
+    Batches run in a seeded random order. Once ``deadline`` cannot fit another batch (of the mean duration so far)
+    no new one starts (the first always runs): conversations
     without an answer are cut before their unanswered turn, and those left without any answer are not returned.
     """
     from tqdm.auto import tqdm
@@ -347,6 +348,7 @@ def regenerate(
     slots = [[i for i, m in enumerate(c.messages) if m["role"] == "assistant"] for c in convs]
     cut = [False] * len(convs)  # prompt reached max_length (or time ran out): no further turns
     timed_out = generated = 0  # turns left unanswered by the time limit; batches generated (one at least)
+    spent = 0.0  # seconds spent generating
     sink = partial_path.open("a", encoding="utf-8") if partial_path else None
     if sink and sink.tell() and not partial_path.read_bytes().endswith(b"\n"):
         sink.write("\n")  # a killed run may have left half a line: start a fresh one
@@ -382,7 +384,7 @@ def regenerate(
             for b in shuffled:
                 batch = batches[b]
                 missing = any((convs[items[j][0]].id, turn) not in done for j in batch)
-                if missing and generated and deadline is not None and deadline.expired():
+                if missing and generated and deadline is not None and not deadline.fits(spent / generated):
                     for j in batch:  # out of time: this turn and the rest of the conversation go
                         ci, mi = items[j]
                         del convs[ci].messages[mi:]
@@ -392,6 +394,7 @@ def regenerate(
                     continue
                 if missing:
                     generated += 1
+                    t0 = deadline.elapsed() if deadline is not None else 0.0
                     # the whole batch is regenerated so that its padding and seed match the first run's
                     answers = generate_batch(
                         model,
@@ -409,6 +412,8 @@ def regenerate(
                                 sink.write(json.dumps({"id": key[0], "turn": turn, "content": answer}) + "\n")
                     if sink:
                         sink.flush()
+                    if deadline is not None:
+                        spent += deadline.elapsed() - t0
                 for j in batch:
                     ci, mi = items[j]
                     convs[ci].messages[mi]["content"] = done[(convs[ci].id, turn)]
