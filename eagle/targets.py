@@ -443,8 +443,10 @@ def load_target(
 # ----------------------------------------------------------------------------------------- aux layers
 
 
-def prepack_for_cpu(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
-    """Swap the fp32 ``nn.Linear`` layers of a frozen module on the CPU for oneDNN layers with prepacked weights.
+def prepack_for_cpu(
+    module: torch.nn.Module, skip: tuple[str, ...] = (), dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+) -> int:
+    """Swap the ``nn.Linear`` layers of a frozen module on the CPU for oneDNN layers with prepacked weights.
 
     Inference only (no gradients). Without it every matrix product re-packs its weights: on SmolLM2-135M
     (2 cores, benchmarks/TUNING.md) a 17-token tree verification drops from ~69 to ~50 ms, a one-token step
@@ -452,8 +454,9 @@ def prepack_for_cpu(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
     feature-collection forward by a third to a half. The prepacked copy of a tied ``lm_head`` no longer shares
     its weight with the embedding (one more copy in memory), and callers that read ``.weight`` of a swapped
     layer (the trainer reads the target's lm_head) must not use the module afterwards; layers named in
-    ``skip`` stay. Returns how many layers were swapped: 0, with nothing changed, off the CPU, in other dtypes,
-    or without oneDNN.
+    ``skip`` stay. Only layers whose weights are in ``dtypes`` are swapped (fp32 by default; bf16 is opt-in,
+    for regenerating data, because speculative decoding must reproduce the fp32 target). Returns how many
+    layers were swapped: 0, with nothing changed, off the CPU, in other dtypes, or without oneDNN.
     """
     from torch.utils.mkldnn import MkldnnLinear
 
@@ -463,8 +466,8 @@ def prepack_for_cpu(module: torch.nn.Module, skip: tuple[str, ...] = ()) -> int:
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear and name not in skip and child.weight.dtype == torch.float32:
-                setattr(parent, name, MkldnnLinear(child, torch.float32))
+            if type(child) is torch.nn.Linear and name not in skip and child.weight.dtype in dtypes:
+                setattr(parent, name, MkldnnLinear(child, child.weight.dtype))
                 swapped += 1
     return swapped
 

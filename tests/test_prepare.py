@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from eagle.errors import EagleError
 from train import prepare as P
@@ -337,6 +338,7 @@ def test_config_validation_names_the_field():
         ("regen_top_p", 0.0),
         ("regen_batch_size", 0),
         ("max_conversations", 0),
+        ("regen_dtype", "bf16"),
     ]:
         with pytest.raises(EagleError, match=f"data.{field}"):
             DataConfig(**{field: value}).validate()
@@ -496,6 +498,29 @@ def test_regeneration_replaces_answers_with_the_targets_own(tmp_path, tok, tiny)
     assert summary["regenerate"] and summary["counts"]["train"] == 2 and summary["target_fingerprint"]
     partial = list((tmp_path / "out").glob("regen-*.jsonl"))
     assert len(partial) == 1 and len(partial[0].read_text().splitlines()) == 4
+
+
+def test_regeneration_in_bfloat16_leaves_the_callers_model_and_is_its_own_output(tmp_path, tok, tiny, monkeypatch):
+    """data.regen_dtype: answers come from a bf16 copy (prepacked on a CPU); the fp32 model given stays as it was."""
+    src = str(_chat_file(tmp_path, n=4))
+    seen = []
+    real = P.generate_batch
+    monkeypatch.setattr(P, "generate_batch", lambda model, *a, **k: seen.append(model) or real(model, *a, **k))
+    base = dict(sources=[src], regenerate=True, regen_max_new_tokens=4, regen_batch_size=2, val_fraction=0.0,
+                output_dir=str(tmp_path / "out"))  # fmt: skip
+    fp32 = prepare(DataConfig(**base), "tiny", tokenizer=tok, model=tiny)
+    assert {P._model_dtype(m) for m in seen} == {torch.float32} and all(m is tiny for m in seen)
+    seen.clear()
+    bf16 = prepare(DataConfig(**base, regen_dtype="bfloat16"), "tiny", tokenizer=tok, model=tiny)
+    assert seen and {P._model_dtype(m) for m in seen} == {torch.bfloat16} and all(m is not tiny for m in seen)
+    if torch.backends.mkldnn.is_available():
+        assert not any(type(m) is torch.nn.Linear for m in seen[0].modules())  # prepacked in bf16
+    assert P._model_dtype(tiny) == torch.float32
+    assert sum(type(m) is torch.nn.Linear for m in tiny.modules()) > 0  # the caller's model is not prepacked
+    # another dtype is another output: its own partial file and config hash, not a reuse of the fp32 answers
+    assert not bf16["skipped"] and bf16["config_hash"] != fp32["config_hash"]
+    assert bf16["regen"]["regen_dtype"] == "bfloat16" and bf16["counts"]["train"] == 4
+    assert len(list((tmp_path / "out").glob("regen-*.jsonl"))) == 2
 
 
 def test_killed_regeneration_resumes(tmp_path, tok, tiny, monkeypatch):

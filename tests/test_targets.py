@@ -195,6 +195,23 @@ def test_capture_features(family):
     torch.testing.assert_close(last, ref.hidden_states[-1])
 
 
+def test_prepack_bfloat16_only_when_asked():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    x = torch.randn(3, 5, 16, dtype=torch.bfloat16)
+    want = layer(x)
+    holder = torch.nn.Sequential(layer)
+    assert T.prepack_for_cpu(holder) == 0 and type(holder[0]) is torch.nn.Linear  # fp32 only by default
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    assert T.prepack_for_cpu(holder, dtypes=(torch.float32, torch.bfloat16)) == 1
+    assert type(holder[0]) is not torch.nn.Linear
+    with torch.no_grad():
+        got = holder(x)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=0.05, rtol=0.02)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_prepacked_target_features_and_generation(family):
     """What `collect` and regeneration run on a CPU (target.cpu_prepack): same features, same greedy answers."""
