@@ -27,12 +27,27 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
+def _temp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
+    """Delete the temporary files a killed :func:`write_text_atomic` left next to ``path``; returns them.
+
+    Call it only where no other live process may be writing ``path`` at the same moment."""
+    path = Path(path)
+    stale = sorted(path.parent.glob(f".{path.name}.*.tmp"))
+    for p in stale:
+        p.unlink(missing_ok=True)
+    return stale
+
+
 def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
     """Write a text file through a temporary file, fsync and rename; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a unique name opened normally (not mkstemp, whose 0600 mode would stick to the file)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+    tmp = _temp_name(path)
     try:
         with open(tmp, "x", encoding="utf-8") as fh:
             fh.write(text)

@@ -19,6 +19,7 @@ import torch
 from datasets import Dataset
 from safetensors.torch import load_file
 
+from eagle import fileio
 from eagle.errors import EagleError
 from eagle.targets import Target
 from eagle.testing import tiny_model
@@ -283,6 +284,21 @@ def test_resume_after_kill_is_byte_identical(tmp_path, saved):
     assert not temp_files(out)
     got, ref = (json.loads((d / "manifest.json").read_text()) for d in (out, saved.ref))
     assert got["complete"] and got["splits"] == ref["splits"]
+
+
+def test_rerun_removes_manifest_temp_files_a_kill_left(tmp_path, saved):
+    """A kill while a manifest was being written leaves its temporary file; the next run removes it."""
+    out = tmp_path / "f"
+    shutil.copytree(saved.ref, out)
+    planted = []
+    for name in ("manifest.json", "manifest.r0.json"):
+        p = fileio._temp_name(out / name)  # the very name an interrupted write would have left
+        p.write_text('{"half": ', encoding="utf-8")
+        planted.append(p)
+    _collect_saved(saved.model_dir, saved.data, out)
+    assert not [p for p in planted if p.exists()]
+    assert not temp_files(out)
+    assert json.loads((out / "manifest.json").read_text())["complete"]
 
 
 @pytest.mark.multiproc

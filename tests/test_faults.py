@@ -521,3 +521,24 @@ def test_nonfinite_loss_skips_or_stops_and_says_so(tmp_path, bigram_data, capsys
     for path in written:
         ck.load_head_files(path)
     assert not (tmp_path / "stop" / "final").exists()
+
+
+def test_clean_stale_removes_what_a_killed_checkpoint_write_left(tmp_path):
+    """Temporary step folders, trash and a half-written ``latest`` pointer go; finished checkpoints stay."""
+    from eagle import fileio
+
+    root = tmp_path / "checkpoints"
+    keep = root / ck.step_dir_name(4)
+    keep.mkdir(parents=True)
+    (keep / "model.safetensors").write_bytes(b"x")
+    (root / ck.LATEST).write_text(keep.name + "\n")
+    doomed = [root / f".tmp-{ck.step_dir_name(8)}", root / ".trash-1234"]
+    for d in doomed:
+        d.mkdir()
+        (d / "part").write_bytes(b"half")
+    pointer_tmp = fileio._temp_name(root / ck.LATEST)  # the name an interrupted pointer write leaves
+    pointer_tmp.write_text("step-")
+    ck.clean_stale(root)
+    assert not [p for p in [*doomed, pointer_tmp] if p.exists()]
+    assert (keep / "model.safetensors").read_bytes() == b"x"
+    assert (root / ck.LATEST).read_text() == keep.name + "\n"

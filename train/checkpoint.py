@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from eagle.errors import EagleError
-from eagle.fileio import fsync_dir, write_json_atomic, write_text_atomic
+from eagle.fileio import fsync_dir, remove_stale_temps, write_json_atomic, write_text_atomic
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
@@ -318,8 +318,7 @@ def clean_stale(root: Path) -> None:
     for path in root.iterdir():
         if path.name.startswith((".tmp-step-", ".trash-")):
             shutil.rmtree(path, ignore_errors=True)
-        elif path.name.startswith(f".{LATEST}.tmp-"):
-            path.unlink(missing_ok=True)
+    remove_stale_temps(root / LATEST)
 
 
 def read_state(path: Path) -> dict:

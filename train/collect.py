@@ -39,7 +39,7 @@ import torch
 from safetensors import safe_open
 
 from eagle.errors import EagleError
-from train.checkpoint import fsync_dir, write_json_atomic
+from eagle.fileio import fsync_dir, remove_stale_temps, write_json_atomic
 
 log = logging.getLogger(__name__)
 
@@ -606,8 +606,7 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
         (out / split).mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()
     if main:  # record what is being collected before any shard exists, so a rerun can check it
-        for stale in out.glob(".manifest.json.tmp-*"):
-            stale.unlink(missing_ok=True)
+        remove_stale_temps(out / "manifest.json")
         kept = {k: v for k, v in ((old or {}).get("splits") or {}).items() if k not in cfg.splits}
         write_json_atomic(
             {
@@ -622,8 +621,7 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
     # this process's slice: global shard order across splits, dealt round robin
     mine = [s for g, s in enumerate(all_shards) if g % world == rank]
     progress_path = out / f"manifest.r{rank}.json"
-    for stale in out.glob(f".manifest.r{rank}.json.tmp-*"):
-        stale.unlink(missing_ok=True)
+    remove_stale_temps(progress_path)
     entries, todo = _scan_finished(out, mine, header, split_info, known)
 
     def save_progress() -> None:
