@@ -565,7 +565,7 @@ class _Clock:
         return self.now
 
 
-def test_regeneration_time_limit_keeps_a_random_subset_and_resumes(tmp_path, tok, tiny, monkeypatch):
+def test_regeneration_time_limit_keeps_a_random_subset_and_resumes(tmp_path, tok, tiny, monkeypatch, capsys):
     from eagle.deadline import Deadline
 
     src = str(_chat_file(tmp_path, 12))
@@ -587,6 +587,8 @@ def test_regeneration_time_limit_keeps_a_random_subset_and_resumes(tmp_path, tok
     kept = P.regenerate(S.load_source(src), tok, tiny, cfg, partial, Deadline(1.0, clock=clock))
     # batch 1 ends at 40 s and batch 2 would end at 80 s > 60 s: only the first runs (the first always does)
     assert len(calls) == 1 and len(kept) == 2
+    bar = capsys.readouterr().err.split("\r")[-1]  # the progress bar's last state
+    assert " 2/12 " in bar and "time limit: 10 unanswered" in bar, bar  # stops where the answers stopped
     want = {c.id: c for c in everything}
     assert all(c.messages == want[c.id].messages for c in kept)  # kept conversations are complete and the same
     # batches run in a seeded random order, not shortest first (the prompts here all have the same length, so

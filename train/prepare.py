@@ -402,7 +402,8 @@ def regenerate(
                         del convs[ci].messages[mi:]
                         cut[ci] = True
                     timed_out += len(batch)
-                    bar.update(len(batch))
+                    # the bar stops where the answers stopped instead of filling up with skipped turns
+                    bar.set_postfix_str(f"time limit: {timed_out} unanswered", refresh=False)
                     continue
                 if missing:
                     generated += 1
