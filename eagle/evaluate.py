@@ -605,7 +605,7 @@ def evaluate(
     skipped = len(queue) - len(all_runs)
     if skipped:
         console.print(
-            f"[yellow]eval: eval.max_minutes={cfg.max_minutes:g} ran out; {skipped} of {len(queue)} prompts were not "
+            f"[yellow]eval: the time limit ({cfg.max_minutes:.1f} min, eval.max_minutes) ran out; {skipped} of {len(queue)} prompts were not "
             "run (the report counts the prompts that were)[/]"
         )
     report: dict[str, Any] = {

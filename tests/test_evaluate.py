@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -268,7 +269,10 @@ def test_time_limit_runs_the_sets_in_turn_and_keeps_a_minimum(tmp_path, target, 
 
     monkeypatch.setattr(E, "_run_prompt", twenty_seconds)
     base = dict(prompts=files, max_new_tokens=4, prompt_lookup=False)
-    report = evaluate(_cfg(tmp_path, draft_dir, files[0], **base, max_minutes=2.5), target, console=_quiet())
+    said = io.StringIO()
+    console = Console(file=said, width=200)
+    report = evaluate(_cfg(tmp_path, draft_dir, files[0], **base, max_minutes=2.5), target, console=console)
+    assert "the time limit (2.5 min, eval.max_minutes) ran out; 5 of 12 prompts were not run" in said.getvalue()
     # starts at 0, 20, ..., 120 s: the 7th prompt ends at 140 s; an 8th would end at 160 s > 150 s
     assert [p["id"] for p in report["prompts"]] == [f"first{i}" for i in range(4)] + [f"second{i}" for i in range(3)]
     assert report["settings"]["prompts_not_run"] == 5 and report["settings"]["max_minutes"] == 2.5
