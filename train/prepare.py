@@ -381,6 +381,7 @@ def regenerate(
                 order[b : b + cfg.regen_batch_size] for b in range(0, len(order), cfg.regen_batch_size)
             ]
             bar = tqdm(total=len(items), unit="conv", desc=f"regenerating turn {turn + 1}", mininterval=1.0)
+            timed_out_before = timed_out  # the bar counts this turn's unanswered only
             for j in set(range(len(items))) - set(
                 fits
             ):  # prompt fills max_length: nothing after it is trained
@@ -403,7 +404,7 @@ def regenerate(
                         cut[ci] = True
                     timed_out += len(batch)
                     # the bar stops where the answers stopped instead of filling up with skipped turns
-                    bar.set_postfix_str(f"time limit: {timed_out} unanswered", refresh=False)
+                    bar.set_postfix_str(f"time limit: {timed_out - timed_out_before} unanswered", refresh=False)
                     continue
                 if missing:
                     generated += 1
