@@ -500,6 +500,44 @@ def test_regeneration_replaces_answers_with_the_targets_own(tmp_path, tok, tiny)
     assert len(partial) == 1 and len(partial[0].read_text().splitlines()) == 4
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_batched_answers_equal_hf_generate_when_rows_stop_early(tok, family):
+    """Rows that stop leave the batch (their cache rows dropped); the others' tokens must not change."""
+    from transformers import GenerationConfig
+
+    from eagle.testing import tiny_model
+
+    model = tiny_model(family, vocab_size=len(tok), hidden_size=32, num_layers=2, seed=3).eval()
+    texts = ["Hi", "Tell me about the sea and the long coast line, please", "Write a poem", "ok"]
+    prompts = [tok(P.render(tok, [{"role": "user", "content": t}], add_generation_prompt=True),
+                   add_special_tokens=False)["input_ids"] for t in texts]  # fmt: skip
+    cfg = DataConfig(regen_max_new_tokens=12)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    free = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
+        max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0))[:, width:].tolist()  # fmt: skip
+    # stop tokens that end some rows early, at different steps, while others run to the end
+    stops = {free[0][2], free[2][6]} - set(free[1]) - set(free[3])
+    assert len(stops) >= 1, "the tiny model produced no usable stop token"
+    ref = model.generate(input_ids=ids, attention_mask=mask, generation_config=GenerationConfig(
+        max_new_tokens=12, do_sample=False, eos_token_id=sorted(stops), pad_token_id=0))[:, width:].tolist()  # fmt: skip
+    want = []
+    for row in ref:
+        end = next((j for j, t in enumerate(row) if t in stops), len(row))
+        want.append(tok.decode(row[:end], skip_special_tokens=True))
+    got = P.generate_batch(model, tok, prompts, cfg, stops, seed=0)
+    assert got == want
+    lengths = [next((j for j, t in enumerate(r) if t in stops), len(r)) for r in ref]
+    assert min(lengths) < 12 and max(lengths) == 12  # some rows did stop early and some did not
+
+    # sampling: seeded per batch (a resumed run writes the same answers), and the seed matters
+    hot = DataConfig(regen_max_new_tokens=12, regen_temperature=1.0)
+    a = P.generate_batch(model, tok, prompts, hot, stops, seed=1)
+    assert a == P.generate_batch(model, tok, prompts, hot, stops, seed=1)
+    assert a != P.generate_batch(model, tok, prompts, hot, stops, seed=2)
+
+
 def test_regeneration_in_bfloat16_leaves_the_callers_model_and_is_its_own_output(tmp_path, tok, tiny, monkeypatch):
     """data.regen_dtype: answers come from a bf16 copy (prepacked on a CPU); the fp32 model given stays as it was."""
     src = str(_chat_file(tmp_path, n=4))

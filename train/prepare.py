@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
+import inspect
 import json
 import logging
 import os
@@ -303,32 +304,72 @@ def generate_batch(
     stop_ids: set[int],
     seed: int,
 ) -> list[str]:
-    """Answers for a batch of token-id prompts (left padded), decoded up to the first stop token."""
-    from transformers import GenerationConfig
+    """Answers for a batch of token-id prompts (left padded), decoded up to the first stop token.
+
+    A plain KV-cache loop rather than ``model.generate``: rows that have stopped leave the batch (their cache rows
+    are dropped), where ``generate`` keeps computing them until the longest answer ends. Regeneration is
+    compute-bound on a CPU, so this answers a batch of 64 SmolLM2 prompts ~1.2x faster with the same greedy
+    tokens (TUNING.md run 27). Sampling (``regen_temperature > 0``) uses the same warpers as decoding
+    (``eagle.verify.logits_to_probs``), seeded per batch so that a resumed run writes the same answers.
+    """
+    from transformers import DynamicCache
+
+    from eagle.targets import cache_kwarg
+    from eagle.verify import logits_to_probs
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
     width = max(len(p) for p in prompts)
     device = _model_device(model)
     input_ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=device)
     attention = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)  # left padding: each prompt counts from 0
     sampling = cfg.regen_temperature > 0
-    extra = dict(temperature=float(cfg.regen_temperature), top_p=float(cfg.regen_top_p)) if sampling else {}
-    gen_cfg = GenerationConfig(
-        max_new_tokens=cfg.regen_max_new_tokens,
-        do_sample=sampling,
-        eos_token_id=sorted(stop_ids),
-        pad_token_id=pad_id,
-        **extra,
+    generator = torch.Generator(device=device).manual_seed(seed) if sampling else None
+    kw = cache_kwarg(model)
+
+    def pick(logits: torch.Tensor) -> torch.Tensor:
+        if not sampling:
+            return logits.argmax(-1)
+        probs = logits_to_probs(logits, float(cfg.regen_temperature), float(cfg.regen_top_p))
+        return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+    takes_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
+    keep_last = {"logits_to_keep": 1} if takes_keep else {}  # the prefill needs the last position's logits only
+    cache = DynamicCache(config=model.config)
+    out = model(
+        input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, **{kw: cache},
+        **keep_last,
     )
-    devices = [device] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):  # seeded per batch: a resumed run samples the same answers
-        torch.manual_seed(seed)
-        out = model.generate(input_ids=input_ids, attention_mask=attention, generation_config=gen_cfg)
-    answers = []
-    for row in out[:, width:].tolist():
-        stop = next((j for j, tok in enumerate(row) if tok in stop_ids), len(row))
-        answers.append(tokenizer.decode(row[:stop], skip_special_tokens=True))
-    return answers
+    can_drop = hasattr(cache, "batch_select_indices")
+    live = torch.arange(len(prompts), device=device)  # the prompt each batch row answers
+    answers: list[list[int]] = [[] for _ in prompts]
+    last = positions[:, -1]
+    nxt = pick(out.logits[:, -1])
+    for step in range(cfg.regen_max_new_tokens):
+        for row, token in zip(live.tolist(), nxt.tolist()):
+            if not answers[row] or answers[row][-1] not in stop_ids:
+                answers[row].append(token)
+        if step == cfg.regen_max_new_tokens - 1:
+            break
+        ended = torch.tensor([answers[row][-1] in stop_ids for row in live.tolist()], device=device)
+        if bool(ended.all()):
+            break
+        if can_drop and bool(ended.any()):
+            rows = (~ended).nonzero().squeeze(-1)
+            cache.batch_select_indices(rows)
+            live, nxt, attention, last = live[rows], nxt[rows], attention[rows], last[rows]
+        attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=-1)
+        last = last + 1
+        out = model(
+            input_ids=nxt[:, None], attention_mask=attention, position_ids=last[:, None], use_cache=True,
+            **{kw: cache},
+        )
+        nxt = pick(out.logits[:, -1])
+    result = []
+    for row in answers:
+        end = next((j for j, tok in enumerate(row) if tok in stop_ids), len(row))
+        result.append(tokenizer.decode(row[:end], skip_special_tokens=True))
+    return result
 
 
 def regenerate(
