@@ -600,6 +600,13 @@ def evaluate(
             )
             prompt_time += deadline.elapsed() - t0
             progress.advance(task)
+            if not console.is_terminal:  # a log file gets no live bar: one line per prompt instead
+                spec = res["speculative"]
+                console.print(
+                    f"eval {k + 1}/{len(queue)} {name} {pid}: {len(spec.tokens)} tokens, "
+                    f"tau {spec.mean_accept_length:.2f} ({(time.perf_counter() - t_start) / 60:.1f} min)",
+                    highlight=False,
+                )
 
     all_runs = [r for name, _ in sets for r in runs[name]]
     skipped = len(queue) - len(all_runs)

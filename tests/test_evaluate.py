@@ -103,6 +103,9 @@ def test_report_fields_values_and_plots(tmp_path, target, draft_dir, prompts_fil
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = console.export_text()
     assert "greedy" in text and "overall" in text and "100%" in text and "mini" in text
+    # not a terminal (a log file): no live bar, so each finished prompt prints a line
+    for i, row in enumerate(on_disk["prompts"], start=1):
+        assert f"eval {i}/3 mini {row['id']}: {row['new_tokens']} tokens, tau " in text
 
 
 def test_oracle_drafter_accepts_whole_chains(tmp_path, target, draft_dir, prompts_file):
