@@ -606,6 +606,7 @@ def evaluate(
                     f"eval {k + 1}/{len(queue)} {name} {pid}: {len(spec.tokens)} tokens, "
                     f"tau {spec.mean_accept_length:.2f} ({(time.perf_counter() - t_start) / 60:.1f} min)",
                     highlight=False,
+                    soft_wrap=True,  # one line per prompt, however long its id
                 )
 
     all_runs = [r for name, _ in sets for r in runs[name]]
