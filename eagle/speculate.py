@@ -17,7 +17,6 @@ model on a prefill (see :func:`_logit_map`); other models get every node's logit
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 import weakref
@@ -197,10 +196,9 @@ def _logits_of(out: Any) -> torch.Tensor:
 
 
 def _last_logits_only(model: torch.nn.Module) -> dict[str, int]:
-    """Ask the prefill for the last position's logits only (the others are never used)."""
-    return (
-        {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(type(model).forward).parameters else {}
-    )
+    from eagle.targets import last_logits_only
+
+    return last_logits_only(model)
 
 
 # ---------------------------------------------------------------------------------------- lazy logits

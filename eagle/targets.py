@@ -529,6 +529,12 @@ def _forward_accepts(model: torch.nn.Module, kwarg: str) -> bool:
     return kwarg in inspect.signature(type(model).forward).parameters
 
 
+def last_logits_only(model: torch.nn.Module) -> dict[str, int]:
+    """Forward kwargs that ask for the last position's logits only (``{}`` where forward takes no
+    ``logits_to_keep``): a prefill, or a pass for features, never uses the others."""
+    return {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
+
+
 def capture_features(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -547,8 +553,7 @@ def capture_features(
     kwargs: dict[str, Any] = dict(
         input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
     )
-    if _forward_accepts(model, "logits_to_keep"):  # the features make the full logits redundant: skip them
-        kwargs["logits_to_keep"] = 1
+    kwargs.update(last_logits_only(model))  # the features make the full logits redundant: skip them
     out = model(**kwargs)
     hidden = out.hidden_states
     if hidden is None or len(hidden) != num_layers + 1:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import hashlib
-import inspect
 import json
 import logging
 import os
@@ -308,13 +307,13 @@ def generate_batch(
 
     A plain KV-cache loop rather than ``model.generate``: rows that have stopped leave the batch (their cache rows
     are dropped), where ``generate`` keeps computing them until the longest answer ends. Regeneration is
-    compute-bound on a CPU, so this answers a batch of 64 SmolLM2 prompts ~1.2x faster with the same greedy
-    tokens (TUNING.md run 27). Sampling (``regen_temperature > 0``) uses the same warpers as decoding
+    compute-bound on a CPU, so this answers the demo's batches of 64 SmolLM2 prompts 1.25x faster with the same
+    greedy tokens (TUNING.md row 27b). Sampling (``regen_temperature > 0``) uses the same warpers as decoding
     (``eagle.verify.logits_to_probs``), seeded per batch so that a resumed run writes the same answers.
     """
     from transformers import DynamicCache
 
-    from eagle.targets import cache_kwarg
+    from eagle.targets import cache_kwarg, last_logits_only
     from eagle.verify import logits_to_probs
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(stop_ids)
@@ -333,12 +332,10 @@ def generate_batch(
         probs = logits_to_probs(logits, float(cfg.regen_temperature), float(cfg.regen_top_p))
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
-    takes_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
-    keep_last = {"logits_to_keep": 1} if takes_keep else {}  # the prefill needs the last position's logits only
     cache = DynamicCache(config=model.config)
     out = model(
         input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, **{kw: cache},
-        **keep_last,
+        **last_logits_only(model),
     )
     can_drop = hasattr(cache, "batch_select_indices")
     live = torch.arange(len(prompts), device=device)  # the prompt each batch row answers
