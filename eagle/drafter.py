@@ -40,6 +40,42 @@ class Drafter(Protocol):
         """Commit the accepted nodes of the last tree (see the module docstring)."""
 
 
+# positions per piece of the head's prefill: one fixed shape for every prompt (see HeadDrafter.prefill)
+PREFILL_CHUNK = 128
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), where bf16 matrix products run
+    natively instead of being emulated."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
+def resolve_draft_dtype(setting: str | None, device: torch.device | str, target_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a draft head computes in (``eval.draft_dtype``): ``"auto"``, None (the target's), or a name.
+
+    The head only proposes tokens and the target verifies them, so its dtype changes the acceptance, never the
+    output. ``"auto"`` picks bfloat16 on a CPU with native bf16 instructions: drafting there is ~1.6x faster than
+    in fp32 with the same acceptance (the head is trained and exported in bf16; benchmarks/TUNING.md run 32),
+    and the target's dtype everywhere else.
+    """
+    from eagle.targets import parse_dtype
+
+    if setting is None:
+        return target_dtype
+    if setting == "auto":
+        on_cpu = torch.device(device).type == "cpu"
+        return torch.bfloat16 if on_cpu and target_dtype == torch.float32 and cpu_has_fast_bf16() else target_dtype
+    try:
+        return parse_dtype(setting)
+    except EagleError:
+        raise EagleError(
+            f"eval.draft_dtype {setting!r} is not supported; use auto, null (the target's dtype), float32, bfloat16 "
+            "or float16"
+        ) from None
+
+
 def _topk_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(ids, log-probs) of the k most likely tokens of each row of logits [n, V]."""
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -67,6 +103,7 @@ class HeadDrafter:
             raise EagleError("an eagle3 head needs aux_layers: pass HeadDrafter(head, aux_layers=[...])")
         self.cache = HeadCache()
         self.last_out: torch.Tensor | None = None  # [1, 1, h]: output of the last committed entry
+        self.prefill_chunk = PREFILL_CHUNK
 
     @property
     def device(self) -> torch.device:
@@ -76,6 +113,12 @@ class HeadDrafter:
         self, hidden_states: tuple[torch.Tensor, ...], index: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The head's projected input [1, T, h] from the target's hidden states (optionally at positions index)."""
+        return self.head.project(self._target_features(hidden_states, index))
+
+    def _target_features(
+        self, hidden_states: tuple[torch.Tensor, ...], index: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The target layers the head reads, concatenated [1, T, k*h] (optionally at positions index)."""
         if self.kind == "eagle3":
             if max(self.aux_layers) >= len(hidden_states):
                 raise EagleError(
@@ -87,8 +130,7 @@ class HeadDrafter:
             parts = [hidden_states[-1]]
         if index is not None:
             parts = [p[:, index.to(p.device)] for p in parts]
-        feats = torch.cat([p.to(self.device) for p in parts], dim=-1)
-        return self.head.project(feats)
+        return torch.cat([p.to(self.device) for p in parts], dim=-1)
 
     def _run(
         self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
@@ -99,14 +141,29 @@ class HeadDrafter:
     def prefill(
         self, input_ids: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_token: int
     ) -> None:
-        """Run the head over the prompt: entry i pairs feature i with token i + 1 (the last one with next_token)."""
+        """Run the head over the prompt: entry i pairs feature i with token i + 1 (the last one with next_token).
+
+        The prompt goes through in pieces of ``prefill_chunk`` positions, the last one padded at its end (causal
+        attention: no real entry sees the padding, which is cropped from the cache after). Every prefill then
+        has the same matrix shapes whatever the prompt's length: oneDNN's bf16 kernels are compiled and kept per
+        shape (~0.5 MB each, never freed), so a bf16 head fed prompts of many lengths grew without bound.
+        """
         ids = input_ids[0].to(self.device)
+        n, chunk = ids.numel(), self.prefill_chunk
+        pad = -n % chunk
         shifted = torch.cat([ids[1:], torch.tensor([int(next_token)], device=self.device)])
+        shifted = torch.nn.functional.pad(shifted, (0, pad))
+        feats = torch.nn.functional.pad(self._target_features(hidden_states), (0, 0, 0, pad))
         self.cache = HeadCache()
-        out = self._run(
-            shifted, self._features(hidden_states), torch.arange(ids.numel(), device=self.device), None
-        )
-        self.last_out = out[:, -1:]
+        for start in range(0, n + pad, chunk):
+            mask = torch.ones(1, 1, chunk, start + chunk, dtype=torch.bool, device=self.device)
+            mask[0, 0, :, start:] = torch.ones(chunk, chunk, dtype=torch.bool, device=self.device).tril()
+            piece = slice(start, start + chunk)
+            positions = torch.arange(start, start + chunk, device=self.device)
+            out = self._run(shifted[piece], self.head.project(feats[:, piece]), positions, mask)
+        self.cache.crop(n)
+        last = (n - 1) % chunk  # the prompt's last entry, in the last piece
+        self.last_out = out[:, last : last + 1]
 
     @torch.no_grad()
     def accept(

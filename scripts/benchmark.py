@@ -177,6 +177,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="oneDNN prepacked linear layers on a CPU (eval.cpu_prepack)",
     )
+    p.add_argument(
+        "--draft-dtype",
+        default="auto",
+        help="dtype the head drafts in (eval.draft_dtype): auto (bf16 on a CPU with bf16 units), float32, bfloat16",
+    )
     p.add_argument("--no-prompt-lookup", action="store_true", help="skip the prompt-lookup comparison")
     p.add_argument("--name", default=None, help="result name (default: <date>-<target>-<device>)")
     p.add_argument("--out-dir", default=str(BENCH_DIR), help="where result JSONs and README.md live")
@@ -218,6 +223,7 @@ def run(args: argparse.Namespace) -> list[Path]:
             tree=tree,
             prompt_lookup=not args.no_prompt_lookup,
             cpu_prepack=args.cpu_prepack,
+            draft_dtype=args.draft_dtype,
             report=str(ROOT / "runs" / "benchmarks" / run_name / "report.json"),
         )
         report = evaluate(cfg, target)

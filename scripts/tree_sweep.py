@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle.drafter import HeadDrafter  # noqa: E402
+from eagle.drafter import HeadDrafter, resolve_draft_dtype  # noqa: E402
 from eagle.errors import EagleError  # noqa: E402
 from eagle.evaluate import EvalConfig, eos_token_ids, load_prompt_sets, write_json_atomic  # noqa: E402
 from eagle.export import load_exported_head  # noqa: E402
@@ -61,16 +61,25 @@ def parse_tree(spec: str) -> TreeConfig:
 
 def sweep(
     target: Any,
-    drafter: HeadDrafter,
+    drafters: dict[str, HeadDrafter],
     prompts: list[tuple[str, str, list[int]]],
     trees: dict[str, TreeConfig],
     max_new_tokens: int,
 ) -> dict[str, Any]:
-    """Plain and speculative decoding of every prompt with every tree; per-tree and per-set totals."""
+    """Plain and speculative decoding of every prompt with every tree and drafter; per-set totals.
+
+    ``drafters`` maps a label (the head's dtype) to a drafter; with several, each tree runs with each of them and
+    its rows are named ``TREE@LABEL``.
+    """
     from tqdm import tqdm
 
     eos = eos_token_ids(target)
-    names = ["plain", *trees]
+    runs = {
+        (name if len(drafters) == 1 else f"{name}@{label}"): (tree, drafter)
+        for name, tree in trees.items()
+        for label, drafter in drafters.items()
+    }
+    names = ["plain", *runs]
     # per tree: set -> [tokens, seconds, forwards, accepted, greedy matches, prompts]
     totals: dict[str, dict[str, list]] = {n: {} for n in names}
     for k, (set_name, _pid, ids) in enumerate(tqdm(prompts, desc="tree sweep", unit="prompt")):
@@ -81,8 +90,9 @@ def sweep(
             if name == "plain":
                 results[name] = plain_generate(target.model, x, max_new_tokens, eos_token_ids=eos)
             else:
+                tree, drafter = runs[name]
                 results[name] = speculative_generate(
-                    target.model, drafter, x, max_new_tokens, trees[name], eos_token_ids=eos
+                    target.model, drafter, x, max_new_tokens, tree, eos_token_ids=eos
                 )
         for name, res in results.items():
             for key in (set_name, "overall"):
@@ -152,16 +162,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cpu-prepack", action="store_true", help="oneDNN prepacked linear layers (eval.cpu_prepack)"
     )
+    ap.add_argument(
+        "--draft-dtype",
+        nargs="+",
+        default=["auto"],
+        help="dtype(s) the head drafts in (eval.draft_dtype): auto (bf16 on a CPU with bf16 units), float32, "
+        "bfloat16; several run every tree with each, side by side",
+    )
     ap.add_argument("--out", default=str(ROOT / "runs/benchmarks/tree_sweep.json"))
     args = ap.parse_args(argv)
     try:
         trees = {spec: parse_tree(spec) for spec in args.trees}
         target = load_target(args.target, dtype=args.dtype, device=args.device)
-        head = load_exported_head(Path(args.draft), target, dtype=target.dtype)
+        dtypes = {resolve_draft_dtype(d, target.device, target.dtype) for d in args.draft_dtype}
+        heads = {
+            str(d).removeprefix("torch."): load_exported_head(Path(args.draft), target, dtype=d) for d in dtypes
+        }
         if args.cpu_prepack:
             prepack_for_cpu(target.model)
-            prepack_for_cpu(head)
-        drafter = HeadDrafter(head)
+            for head in heads.values():
+                prepack_for_cpu(head)  # fp32 layers only: a bf16 head drafts faster unpacked (TUNING.md run 32)
+        drafters = {label: HeadDrafter(head) for label, head in sorted(heads.items())}
         cfg = EvalConfig(prompts=args.prompts, max_prompts=args.max_prompts)
         prompts = [
             (s, pid, ids) for s, items in load_prompt_sets(cfg, target.tokenizer) for pid, ids in items
@@ -170,8 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     with torch.no_grad():  # one untimed warm-up of every method
-        sweep(target, drafter, prompts[:1], trees, 8)
-        result = sweep(target, drafter, prompts, trees, args.max_new_tokens)
+        sweep(target, drafters, prompts[:1], trees, 8)
+        result = sweep(target, drafters, prompts, trees, args.max_new_tokens)
 
     from rich.console import Console
     from rich.table import Table
@@ -202,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         threads=torch.get_num_threads(),
         cpu_prepack=args.cpu_prepack,
+        draft_dtypes=list(drafters),
     )
     out = write_json_atomic(result, args.out)
     plot(result["rows"], out.with_suffix(".png"))

@@ -179,6 +179,74 @@ def test_missing_inputs_are_clear_errors(tmp_path, target, draft_dir, prompts_fi
     assert not (tmp_path / "eval").exists()
 
 
+def test_draft_dtype_changes_the_head_not_the_output(tmp_path, target, draft_dir, prompts_file):
+    reports = {}
+    for dtype in ("bfloat16", "float32"):
+        cfg = _cfg(tmp_path / dtype, draft_dir, prompts_file, draft_dtype=dtype, prompt_lookup=False)
+        reports[dtype] = evaluate(cfg, target, console=_quiet())
+        assert reports[dtype]["settings"]["draft_dtype"] == dtype
+        assert reports[dtype]["overall"]["greedy_match_rate"] == 1.0
+    tokens = {d: [p["new_tokens"] for p in r["prompts"]] for d, r in reports.items()}
+    assert tokens["bfloat16"] == tokens["float32"]  # same target outputs, whatever the head computes in
+    with pytest.raises(EagleError, match="eval.draft_dtype 'int4'.*bfloat16"):
+        _cfg(tmp_path, draft_dir, prompts_file, draft_dtype="int4").validate()
+
+
+def test_auto_draft_dtype_is_bf16_only_on_cpus_with_bf16_units(monkeypatch):
+    import torch
+
+    import eagle.drafter as drafter
+
+    monkeypatch.setattr(drafter, "cpu_has_fast_bf16", lambda: True)
+    assert drafter.resolve_draft_dtype("auto", "cpu", torch.float32) == torch.bfloat16
+    assert (
+        drafter.resolve_draft_dtype("auto", "cpu", torch.float16) == torch.float16
+    )  # a half target: its own
+    assert drafter.resolve_draft_dtype("auto", "cuda:0", torch.float32) == torch.float32
+    assert drafter.resolve_draft_dtype(None, "cpu", torch.float32) == torch.float32
+    assert drafter.resolve_draft_dtype("fp32", "cpu", torch.bfloat16) == torch.float32
+    monkeypatch.setattr(drafter, "cpu_has_fast_bf16", lambda: False)
+    assert drafter.resolve_draft_dtype("auto", "cpu", torch.float32) == torch.float32
+
+
+def test_tree_sweep_runs_every_tree_with_every_draft_dtype(target, draft_dir, prompts_file):
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    from eagle.drafter import HeadDrafter
+    from eagle.evaluate import load_prompt_sets
+    from eagle.export import load_exported_head
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "tree_sweep.py"
+    spec = importlib.util.spec_from_file_location("tree_sweep", path)
+    tree_sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tree_sweep)
+    drafters = {
+        str(d).removeprefix("torch."): HeadDrafter(load_exported_head(draft_dir, target, dtype=d))
+        for d in (torch.float32, torch.bfloat16)
+    }
+    sets = load_prompt_sets(EvalConfig(prompts=[str(prompts_file)]), target.tokenizer)
+    prompts = [(s, pid, ids) for s, items in sets for pid, ids in items]
+    trees = {
+        "chain:2": tree_sweep.parse_tree("chain:2"),
+        "dynamic:2:2:4+lookup": tree_sweep.parse_tree("dynamic:2:2:4+lookup"),
+    }
+    rows = tree_sweep.sweep(target, drafters, prompts, trees, 6)["rows"]
+    names = {r["tree"] for r in rows}
+    assert names == {
+        "plain",
+        "chain:2@float32",
+        "chain:2@bfloat16",
+        "dynamic:2:2:4+lookup@float32",
+        "dynamic:2:2:4+lookup@bfloat16",
+    }
+    overall = [r for r in rows if r["set"] == "overall"]
+    assert len(overall) == 5 and all(r["greedy_match"] == "3/3" for r in overall)
+    assert all(r["tau"] >= 1.0 for r in overall if r["tree"] != "plain")
+
+
 def test_summarize_definitions():
     """Pooled tau over steps, median over prompts, per-depth rates over verification steps."""
     a = GenerationResult(
@@ -260,7 +328,9 @@ def test_time_limit_runs_the_sets_in_turn_and_keeps_a_minimum(tmp_path, target, 
     files = []
     for name in ("first", "second"):
         path = tmp_path / f"{name}.jsonl"
-        path.write_text("".join(json.dumps({"id": f"{name}{i}", "prompt": f"Count to {i}:"}) + "\n" for i in range(6)))
+        path.write_text(
+            "".join(json.dumps({"id": f"{name}{i}", "prompt": f"Count to {i}:"}) + "\n" for i in range(6))
+        )
         files.append(str(path))
     clock = [0.0]
     monkeypatch.setattr(E, "Deadline", lambda minutes: Deadline(minutes, clock=lambda: clock[0]))
@@ -275,9 +345,13 @@ def test_time_limit_runs_the_sets_in_turn_and_keeps_a_minimum(tmp_path, target, 
     said = io.StringIO()
     console = Console(file=said, width=200)
     report = evaluate(_cfg(tmp_path, draft_dir, files[0], **base, max_minutes=2.5), target, console=console)
-    assert "the time limit (2.5 min, eval.max_minutes) ran out; 5 of 12 prompts were not run" in said.getvalue()
+    assert (
+        "the time limit (2.5 min, eval.max_minutes) ran out; 5 of 12 prompts were not run" in said.getvalue()
+    )
     # starts at 0, 20, ..., 120 s: the 7th prompt ends at 140 s; an 8th would end at 160 s > 150 s
-    assert [p["id"] for p in report["prompts"]] == [f"first{i}" for i in range(4)] + [f"second{i}" for i in range(3)]
+    assert [p["id"] for p in report["prompts"]] == [f"first{i}" for i in range(4)] + [
+        f"second{i}" for i in range(3)
+    ]
     assert report["settings"]["prompts_not_run"] == 5 and report["settings"]["max_minutes"] == 2.5
     clock[0] = 0.0
     short = evaluate(_cfg(tmp_path, draft_dir, files[0], **base, max_minutes=0.5), target, console=_quiet())

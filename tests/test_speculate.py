@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 from eagle.cache import cache_length, crop_cache, gather_cache
 from eagle.drafter import HeadDrafter, OracleDrafter
 from eagle.errors import EagleError
-from eagle.heads import HeadConfig, build_head
+from eagle.heads import HeadCache, HeadConfig, build_head
 from eagle.speculate import GenerationResult, plain_generate, speculative_generate, tree_attention_mask
 from eagle.testing import FAMILIES, tiny_config
 from eagle.tree import TreeConfig, tree_from_parents
@@ -316,6 +316,33 @@ def test_head_drafter_matches_recompute(kind):
     assert drafter.draft(bonus, chain).tokens.tolist() == fresh.draft(bonus, chain).tokens.tolist()
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_head_prefill_in_padded_pieces_equals_one_causal_pass(kind):
+    """HeadDrafter.prefill takes the prompt in fixed-size pieces, the last one padded: the head's cache and
+    output must be those of one causal pass over the prompt, and every piece must have the same shape."""
+    model, hd = target("llama"), head("llama", kind)
+    ids, root = prompt(7, length=23), 17
+    hs, feats = features(model, ids, kind)
+    shifted = torch.cat([ids[:, 1:], torch.tensor([[root]])], dim=1)
+    rows: list[int] = []
+    hook = hd.midlayer.self_attn.q_proj.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    try:
+        for chunk in (4, 5, 23, 64):  # pieces of 4 (1 padded), 5 (2 padded), exactly one, one mostly padding
+            drafter = HeadDrafter(hd)
+            drafter.prefill_chunk = chunk
+            rows.clear()
+            drafter.prefill(ids, hs, root)
+            assert set(rows) == {chunk} and len(rows) == -(-23 // chunk)
+            assert drafter.cache.length == 23
+            torch.testing.assert_close(drafter.last_out[0, 0], scratch_output(hd, feats, shifted, []))
+            full = HeadCache()
+            hd(shifted, hd.project(feats), torch.arange(23)[None], None, full)
+            torch.testing.assert_close(drafter.cache.keys, full.keys)
+            torch.testing.assert_close(drafter.cache.values, full.values)
+    finally:
+        hook.remove()
+
+
 # ------------------------------------------------------------------------------------- stopping, errors
 
 
@@ -425,6 +452,20 @@ def test_cpu_prepacked_target_and_head_keep_greedy_output():
     res = speculative_generate(model, HeadDrafter(hd), ids, N_NEW, TREES["dynamic"])
     assert res.tokens == plain.tokens == reference("llama")
     assert prepack_for_cpu(torch.nn.Linear(2, 2).to(torch.float64)) == 0  # only fp32 layers
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_bf16_head_on_fp32_target_keeps_greedy_output(kind):
+    """eval.draft_dtype: the head drafts in bf16, the fp32 target verifies; drafts are accepted and the output is
+    the target's own greedy output."""
+    import copy
+
+    small = target("llama-v16")
+    hd = copy.deepcopy(head("llama-v16", kind)).to(torch.bfloat16)
+    assert hd.midlayer.self_attn.q_proj.weight.dtype == torch.bfloat16
+    res = speculative_generate(small, HeadDrafter(hd), prompt(vocab=16), 40, TREES["dynamic"])
+    check_result(res, reference("llama-v16", 0, 40))
+    assert max(res.accept_lengths) > 1  # drafts were accepted, not only the bonus token
 
 
 def test_sampling_path():
