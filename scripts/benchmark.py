@@ -64,6 +64,12 @@ def _prompts_text(report: dict[str, Any]) -> str:
     return f"{'+'.join(counts)} x {tokens}" if counts and tokens else "-"
 
 
+def _draft_dtype_text(report: dict[str, Any]) -> str:
+    """``, bfloat16 head`` when the head drafted in another dtype than the target's (``eval.draft_dtype``)."""
+    draft = report.get("settings", {}).get("draft_dtype")
+    return f", {draft} head" if draft and draft != report.get("dtype") else ""
+
+
 def table_row(name: str, report: dict[str, Any]) -> str:
     """One markdown table row for a benchmark result."""
     sets = report.get("prompt_sets", {})
@@ -77,7 +83,7 @@ def table_row(name: str, report: dict[str, Any]) -> str:
         name,
         f"`{report.get('head', '?')}`",
         str(report.get("target", "?")),
-        f"{device} {report.get('dtype', '')}".strip(),
+        f"{device} {report.get('dtype', '')}{_draft_dtype_text(report)}".strip(),
         _tree_text(report.get("tree", {})),
         _prompts_text(report),
         _fmt(report.get("settings", {}).get("temperature"), "g"),

@@ -313,6 +313,10 @@ def test_benchmark_table_is_rebuilt_from_all_results(tmp_path):
     row = [x for x in bench.update_readme(tmp_path).read_text().splitlines() if "| c |" in x][0]
     assert "| cpu prepacked float32 |" in row and "dynamic d5 k4 n8 (auto) + lookup" in row
     assert "| - | 0 |" in row  # no prompt counts in this synthetic report
+    lookup["settings"]["draft_dtype"] = "bfloat16"
+    (tmp_path / "c.json").write_text(json.dumps(lookup))
+    row = [x for x in bench.update_readme(tmp_path).read_text().splitlines() if "| c |" in x][0]
+    assert "| cpu prepacked float32, bfloat16 head |" in row
     (tmp_path / "c.json").unlink()
     (tmp_path / "a.json").unlink()
     again = bench.update_readme(tmp_path).read_text()
