@@ -19,6 +19,7 @@ import torch
 
 from eagle.errors import EagleError
 from eagle.heads import HeadCache
+from eagle.targets import cpu_has_fast_bf16
 from eagle.tree import DraftTree, TreeConfig, build_tree
 
 
@@ -42,14 +43,6 @@ class Drafter(Protocol):
 
 # positions per piece of the head's prefill: one fixed shape for every prompt (see HeadDrafter.prefill)
 PREFILL_CHUNK = 128
-
-
-def cpu_has_fast_bf16() -> bool:
-    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), where bf16 matrix products run
-    natively instead of being emulated."""
-    cpu = getattr(torch, "cpu", None)
-    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
 def resolve_draft_dtype(setting: str | None, device: torch.device | str, target_dtype: torch.dtype) -> torch.dtype:

@@ -97,6 +97,15 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     raise EagleError(f"target.dtype {dtype!r} is not supported; use one of float32, bfloat16, float16")
 
 
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (AVX512-BF16 or AMX), where bf16 matrix products run
+    natively instead of being emulated: the draft head drafts (``eval.draft_dtype``) and trains (``train.bf16``)
+    in bf16 there by default."""
+    cpu = getattr(torch, "cpu", None)
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
+
+
 def parse_device(device: str, check_available: bool = True) -> str:
     """Check a device string (``cpu``, ``cuda``, ``cuda:N`` or ``auto``) and return it normalised.
 

@@ -259,6 +259,24 @@ def test_exact_top1_argmax_in_chunks(monkeypatch):
     assert whole == chunked
 
 
+def test_target_labels_ignore_autocast():
+    """train.bf16 runs the loss under bf16 autocast: the target's logits (labels, exact top-1) must still be the
+    lm_head's own fp32 numbers, bit for bit."""
+    import train.losses as losses
+
+    _, target = setup("eagle3")
+    batch = make_batch(target, [12, 9], 12, seed=6)
+    hidden, ids = batch["last_hidden"], torch.arange(0, VOCAB, 3)
+    plain_at = losses._target_logits_at(target.lm_head, hidden, ids)
+    plain_full = losses._target_logits(target.lm_head, hidden)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert target.lm_head(hidden).dtype == torch.bfloat16  # autocast is on here
+        at = losses._target_logits_at(target.lm_head, hidden, ids)
+        full = losses._target_logits(target.lm_head, hidden)
+    assert at.dtype == full.dtype == torch.float32
+    assert torch.equal(at, plain_at) and torch.equal(full, plain_full)
+
+
 def test_eagle1_loss_matches_hand_computation():
     head, target = setup("eagle1")
     w_reg, w_ce, t = 1.0, 0.1, 7

@@ -57,6 +57,7 @@ def _run_config(tmp: Path) -> Path:
             "log_every": 1,
             "progress": False,
             "max_grad_norm": 0.5,
+            "bf16": False,  # fp32 everywhere: 1 and 2 processes must agree to 1e-4
         },
     }
     path = tmp / "run.yaml"

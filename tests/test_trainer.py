@@ -40,6 +40,7 @@ def cfg(out: Path, **kw) -> TrainConfig:
         eval_every=0,
         save_every=1000,
         progress=False,
+        bf16=False,  # fp32 on every CPU, so that exact comparisons hold; bf16 has its own test
     )
     base.update(kw)
     return TrainConfig(**base)
@@ -336,6 +337,42 @@ def test_eagle1_head_trains(tmp_path, bigram_data, bigram_target):
     assert last < first and "val_loss_reg" in result.eval_metrics
     assert json.loads((out / "final" / "head_config.json").read_text())["kind"] == "eagle1"
     assert "d2t" not in load_file(str(out / "final" / "model.safetensors"))
+
+
+def test_bf16_mixed_precision_on_cpu_learns_and_saves_fp32_weights(
+    tmp_path, bigram_data, bigram_target, monkeypatch
+):
+    """train.bf16: autocast on the CPU (auto picks it where the CPU has bf16 units); the head still learns the
+    target and its saved weights are the fp32 master copy."""
+    import train.trainer as trainer
+
+    _, features = bigram_data
+    monkeypatch.setattr("eagle.targets.cpu_has_fast_bf16", lambda: True)
+    assert trainer._mixed_precision(TrainConfig(bf16="auto")) == "bf16"
+    assert trainer._mixed_precision(TrainConfig(bf16=False)) == "no"
+    monkeypatch.setattr("eagle.targets.cpu_has_fast_bf16", lambda: False)
+    assert trainer._mixed_precision(TrainConfig(bf16="auto")) == "no"
+    assert trainer._mixed_precision(TrainConfig(bf16=True)) == "bf16"
+
+    seen = []
+    real_forward = trainer.HeadWithLoss.forward
+
+    def spy(self, batch):
+        seen.append(torch.is_autocast_enabled("cpu"))
+        return real_forward(self, batch)
+
+    monkeypatch.setattr(trainer.HeadWithLoss, "forward", spy)
+    out = tmp_path / "bf16"
+    result = train(
+        target=bigram_target,
+        features_dir=features,
+        head=HeadSpec(draft_vocab_size=256),
+        cfg=cfg(out, max_steps=150, eval_every=150, bf16=True),
+    )
+    assert seen and all(seen)  # every training and eval forward ran under bf16 autocast
+    assert result.eval_metrics["val_acc"] > 0.8, result.eval_metrics
+    final = load_file(str(out / "final" / "model.safetensors"))
+    assert final["fc.weight"].dtype == torch.float32
 
 
 def test_report_to_tensorboard_and_wandb_offline(tmp_path, bigram_data, bigram_target, monkeypatch):

@@ -28,10 +28,16 @@ def _shift(x: torch.Tensor, k: int, fill: float | bool | int = 0) -> torch.Tenso
     return torch.cat([x[:, k:], pad], dim=1)
 
 
+def _no_autocast(device: torch.device) -> torch.autocast:
+    """The target's logits are labels and metrics: computed in the lm_head's own dtype even when the head trains
+    under mixed precision (``train.bf16``), where autocast would round them through bf16."""
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 def _target_logits(target_lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The target's logits (fp32, no grad) from its last feature."""
     weight = getattr(target_lm_head, "weight", None)
-    with torch.no_grad():
+    with torch.no_grad(), _no_autocast(hidden.device):
         if weight is not None:
             hidden = hidden.to(device=weight.device, dtype=weight.dtype)
         return target_lm_head(hidden).float()
@@ -50,7 +56,7 @@ def _target_logits_at(target_lm_head: nn.Module, hidden: torch.Tensor, ids: torc
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         return _target_logits(target_lm_head, hidden)[..., ids.to(hidden.device)]
     bias = getattr(target_lm_head, "bias", None)
-    with torch.no_grad():
+    with torch.no_grad(), _no_autocast(weight.device):
         rows = ids.to(weight.device)
         # the gather is a small copy (draft_vocab x h) next to the matmul, so it is redone every call rather
         # than cached: the head's d2t may change (set_draft_vocab, DDP buffer broadcasts)
