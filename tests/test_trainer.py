@@ -340,7 +340,7 @@ def test_eagle1_head_trains(tmp_path, bigram_data, bigram_target):
 
 
 def test_bf16_mixed_precision_on_cpu_learns_and_saves_fp32_weights(
-    tmp_path, bigram_data, bigram_target, monkeypatch
+    tmp_path, bigram_data, bigram_target, monkeypatch, capsys
 ):
     """train.bf16: autocast on the CPU (auto picks it where the CPU has bf16 units); the head still learns the
     target and its saved weights are the fp32 master copy."""
@@ -370,6 +370,7 @@ def test_bf16_mixed_precision_on_cpu_learns_and_saves_fp32_weights(
         cfg=cfg(out, max_steps=150, eval_every=150, bf16=True),
     )
     assert seen and all(seen)  # every training and eval forward ran under bf16 autocast
+    assert "1 process(es), bf16 autocast; fresh start" in capsys.readouterr().out
     assert result.eval_metrics["val_acc"] > 0.8, result.eval_metrics
     final = load_file(str(out / "final" / "model.safetensors"))
     assert final["fc.weight"].dtype == torch.float32

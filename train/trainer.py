@@ -992,7 +992,8 @@ class _Run:
             print(
                 f"train: {self.hcfg.kind} head ({self.num_parameters:,} parameters), {cfg.mode} mode, "
                 f"{len(self.lengths):,} sequences, {self.steps_per_epoch:,} steps/epoch, {self.total_steps:,} steps, "
-                f"{self.world} process(es){' under DeepSpeed' if self.deepspeed else ''}; {where}",
+                f"{self.world} process(es){' under DeepSpeed' if self.deepspeed else ''}, "
+                f"{'bf16 autocast' if self.accelerator.mixed_precision == 'bf16' else 'fp32'}; {where}",
                 flush=True,
             )
         self.window, self.skipped, self.grad_norm = _Window(), 0, float("nan")
