@@ -19,7 +19,7 @@ import torch
 
 from eagle.errors import EagleError
 from eagle.heads import HeadCache
-from eagle.targets import cpu_has_fast_bf16
+from eagle.targets import cpu_has_fast_bf16, parse_dtype
 from eagle.tree import DraftTree, TreeConfig, build_tree
 
 
@@ -45,7 +45,9 @@ class Drafter(Protocol):
 PREFILL_CHUNK = 128
 
 
-def resolve_draft_dtype(setting: str | None, device: torch.device | str, target_dtype: torch.dtype) -> torch.dtype:
+def resolve_draft_dtype(
+    setting: str | None, device: torch.device | str, target_dtype: torch.dtype
+) -> torch.dtype:
     """The dtype a draft head computes in (``eval.draft_dtype``): ``"auto"``, None (the target's), or a name.
 
     The head only proposes tokens and the target verifies them, so its dtype changes the acceptance, never the
@@ -53,19 +55,18 @@ def resolve_draft_dtype(setting: str | None, device: torch.device | str, target_
     in fp32 with the same acceptance (the head is trained and exported in bf16; benchmarks/TUNING.md run 32),
     and the target's dtype everywhere else.
     """
-    from eagle.targets import parse_dtype
-
     if setting is None:
         return target_dtype
     if setting == "auto":
         on_cpu = torch.device(device).type == "cpu"
-        return torch.bfloat16 if on_cpu and target_dtype == torch.float32 and cpu_has_fast_bf16() else target_dtype
+        fast = on_cpu and target_dtype == torch.float32 and cpu_has_fast_bf16()
+        return torch.bfloat16 if fast else target_dtype
     try:
         return parse_dtype(setting)
     except EagleError:
         raise EagleError(
-            f"eval.draft_dtype {setting!r} is not supported; use auto, null (the target's dtype), float32, bfloat16 "
-            "or float16"
+            f"eval.draft_dtype {setting!r} is not supported; use auto, null (the target's dtype), float32, "
+            "bfloat16 or float16"
         ) from None
 
 
