@@ -126,6 +126,13 @@ class HeadDrafter:
             parts = [p[:, index.to(p.device)] for p in parts]
         return torch.cat([p.to(self.device) for p in parts], dim=-1)
 
+    def _append_mask(self, m: int) -> torch.Tensor:
+        """Mask [1, 1, m, n + m] for m new entries after the n in the cache: all of those, causal among the new."""
+        n = self.cache.length
+        mask = torch.ones(1, 1, m, n + m, dtype=torch.bool, device=self.device)
+        mask[0, 0, :, n:] = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
+        return mask
+
     def _run(
         self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor | None
     ):
@@ -150,11 +157,9 @@ class HeadDrafter:
         feats = torch.nn.functional.pad(self._target_features(hidden_states), (0, 0, 0, pad))
         self.cache = HeadCache()
         for start in range(0, n + pad, chunk):
-            mask = torch.ones(1, 1, chunk, start + chunk, dtype=torch.bool, device=self.device)
-            mask[0, 0, :, start:] = torch.ones(chunk, chunk, dtype=torch.bool, device=self.device).tril()
             piece = slice(start, start + chunk)
             positions = torch.arange(start, start + chunk, device=self.device)
-            out = self._run(shifted[piece], self.head.project(feats[:, piece]), positions, mask)
+            out = self._run(shifted[piece], self.head.project(feats[:, piece]), positions, self._append_mask(chunk))
         self.cache.crop(n)
         last = (n - 1) % chunk  # the prompt's last entry, in the last piece
         self.last_out = out[:, last : last + 1]
@@ -165,11 +170,9 @@ class HeadDrafter:
     ) -> None:
         """Add one head entry per accepted node: its real target feature with the embedding of the next token."""
         n, m = self.cache.length, accepted.numel()
-        mask = torch.ones(1, 1, m, n + m, dtype=torch.bool, device=self.device)
-        mask[0, 0, :, n:] = torch.ones(m, m, dtype=torch.bool, device=self.device).tril()
         positions = torch.arange(n, n + m, device=self.device)
         hidden = self._features(hidden_states, accepted)
-        out = self._run(next_tokens.to(self.device), hidden, positions, mask)
+        out = self._run(next_tokens.to(self.device), hidden, positions, self._append_mask(m))
         self.last_out = out[:, -1:]
 
     @torch.no_grad()
