@@ -30,6 +30,7 @@ from eagle.autotune import DEFAULT_CANDIDATES, autotune_total_tokens, max_tree_n
 from eagle.deadline import Deadline, check_minutes
 from eagle.drafter import Drafter, HeadDrafter, resolve_draft_dtype
 from eagle.errors import EagleError
+from eagle.exactness import diagnose_mismatch, first_mismatch, mismatch_note, mismatch_summary
 from eagle.fileio import write_json_atomic
 from eagle.speculate import GenerationResult, plain_generate, speculative_generate
 from eagle.tree import TreeConfig, lookup_length
@@ -180,6 +181,8 @@ class PromptRun:
     plain: GenerationResult | None = None
     lookup_tokens: list[int] | None = None
     lookup_time: float = 0.0
+    prompt_ids: list[int] | None = None
+    mismatch: dict[str, Any] | None = None  # eagle.exactness.diagnose_mismatch, greedy runs that differ
 
 
 def _sync(device: torch.device) -> None:
@@ -328,13 +331,6 @@ def summarize(runs: Sequence[PromptRun], temperature: float) -> dict[str, Any]:
     }
 
 
-def _first_mismatch(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def _prompt_record(r: PromptRun) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "set": r.set_name,
@@ -348,7 +344,10 @@ def _prompt_record(r: PromptRun) -> dict[str, Any]:
     if r.plain is not None:
         rec["baseline_new_tokens"] = len(r.plain.tokens)
         rec["baseline_time_s"] = r.plain.total_time
-        rec["first_mismatch"] = _first_mismatch(r.spec.tokens, r.plain.tokens)
+        rec["first_mismatch"] = first_mismatch(r.spec.tokens, r.plain.tokens)
+        if r.mismatch is not None:
+            for key in ("logit_gap", "near_tie", "plain_token", "spec_token"):
+                rec[f"first_mismatch_{key}"] = r.mismatch[key]
     if r.lookup_tokens is not None:
         rec["prompt_lookup_new_tokens"] = len(r.lookup_tokens)
         rec["prompt_lookup_time_s"] = r.lookup_time
@@ -612,6 +611,7 @@ def evaluate(
                     res.get("plain"),
                     lookup[0] if lookup else None,
                     lookup[1] if lookup else 0.0,
+                    prompt_ids=ids,
                 )
             )
             prompt_time += deadline.elapsed() - t0
@@ -626,6 +626,11 @@ def evaluate(
                 )
 
     all_runs = [r for name, _ in sets for r in runs[name]]
+    mismatches = None
+    if cfg.temperature <= 0 and all_runs and all(r.plain is not None for r in all_runs):
+        for r in all_runs:  # one target forward per differing prompt says: near-tie (numerics) or bug
+            r.mismatch = diagnose_mismatch(target.model, r.prompt_ids, r.plain.tokens, r.spec.tokens)
+        mismatches = mismatch_summary([r.mismatch for r in all_runs], target.dtype)
     skipped = len(queue) - len(all_runs)
     if skipped:
         console.print(
@@ -665,6 +670,7 @@ def evaluate(
         "tree": _tree_report(tree_cfg, requested, autotune),
         "prompt_sets": {name: summarize(runs[name], cfg.temperature) for name, _ in sets},
         "overall": summarize(all_runs, cfg.temperature),
+        "greedy_mismatches": mismatches,
         "wall_time_s": time.perf_counter() - t_start,
         "prompts": [_prompt_record(r) for r in all_runs],
     }
@@ -675,6 +681,9 @@ def evaluate(
     report["plots"] = {k: Path(v).name for k, v in plots.items()}
     write_json_atomic(report, out)
     print_report_table(report, console)
+    note = mismatch_note(mismatches) if mismatches else None
+    if note:
+        console.print(note)
     console.print(f"report: {out}")
     return report
 
