@@ -11,7 +11,9 @@ drifts of the machine hit them alike), each timed with the wall clock:
 The report (``report.json``, written atomically, plots beside it) holds per prompt set and overall the fields
 DESIGN.md lists. tau (``acceptance_length_*``) counts tokens per verification forward (accepted drafts + 1); the
 prefill forward that produces the first token is counted apart (``prefill_forwards``). ``acceptance_length_mean``
-pools all verification steps; ``acceptance_length_median`` is the median of the per-prompt means.
+pools all verification steps; ``acceptance_length_median`` is the median of the per-prompt means. At temperature
+0 every prompt whose speculative output differs from plain decoding is refereed by :mod:`eagle.exactness` (a
+near-tie of the target's logits, i.e. numerics, or a bug): ``greedy_mismatches`` and a note after the table.
 """
 
 from __future__ import annotations
