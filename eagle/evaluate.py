@@ -628,6 +628,7 @@ def evaluate(
                 )
 
     all_runs = [r for name, _ in sets for r in runs[name]]
+    wall_time = time.perf_counter() - t_start  # the prompts' runs, without the referee's forwards below
     mismatches = None
     if cfg.temperature <= 0 and all_runs and all(r.plain is not None for r in all_runs):
         for r in all_runs:  # one target forward per differing prompt says: near-tie (numerics) or bug
@@ -673,7 +674,7 @@ def evaluate(
         "prompt_sets": {name: summarize(runs[name], cfg.temperature) for name, _ in sets},
         "overall": summarize(all_runs, cfg.temperature),
         "greedy_mismatches": mismatches,
-        "wall_time_s": time.perf_counter() - t_start,
+        "wall_time_s": wall_time,
         "prompts": [_prompt_record(r) for r in all_runs],
     }
     from eagle.plots import write_eval_plots

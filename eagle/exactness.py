@@ -34,8 +34,9 @@ def first_mismatch(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def _model_dtype(model: torch.nn.Module) -> torch.dtype:
-    return model.get_input_embeddings().weight.dtype
+def near_tie_rtol(dtype: torch.dtype) -> float:
+    """``NEAR_TIE_RTOL`` for ``dtype`` (float32's for any other dtype)."""
+    return NEAR_TIE_RTOL.get(dtype, NEAR_TIE_RTOL[torch.float32])
 
 
 @torch.no_grad()
@@ -70,7 +71,7 @@ def diagnose_mismatch(
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1].float()
     gap = float(logits[out["plain_token"]] - logits[out["spec_token"]])
     top = float(logits.max())
-    tol = NEAR_TIE_RTOL.get(_model_dtype(model), NEAR_TIE_RTOL[torch.float32]) * abs(top)
+    tol = near_tie_rtol(model.get_input_embeddings().weight.dtype) * abs(top)
     out.update(logit_gap=gap, top_logit=top, tolerance=tol, near_tie=abs(gap) <= tol)
     return out
 
@@ -86,7 +87,7 @@ def mismatch_summary(diagnoses: Sequence[dict[str, Any] | None], dtype: torch.dt
         "not_near_ties": sum(1 for d in found if d["near_tie"] is False),
         "length_only": sum(1 for d in found if d["near_tie"] is None),
         "largest_logit_gap": max(gaps) if gaps else None,
-        "near_tie_rtol": NEAR_TIE_RTOL.get(dtype, NEAR_TIE_RTOL[torch.float32]),
+        "near_tie_rtol": near_tie_rtol(dtype),
         "dtype": str(dtype).removeprefix("torch."),
     }
 
