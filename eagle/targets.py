@@ -564,15 +564,23 @@ def capture_features(
     )
     kwargs.update(last_logits_only(model))  # the features make the full logits redundant: skip them
     out = model(**kwargs)
-    hidden = out.hidden_states
+    return select_features(model, out.hidden_states, ids, input_ids.device)
+
+
+def select_features(
+    model: torch.nn.Module, hidden_states: Any, aux_ids: list[int], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(aux_hidden, last_hidden)`` out of a forward's ``hidden_states`` (see :func:`capture_features`): one
+    place for which states the features are, shared by collection and by capture during regeneration."""
+    num_layers = int(model.config.get_text_config().num_hidden_layers)
+    hidden = hidden_states
     if hidden is None or len(hidden) != num_layers + 1:
         raise EagleError(
             f"{type(model).__name__} returned {0 if hidden is None else len(hidden)} hidden states for "
             f"{num_layers} layers (expected {num_layers + 1}); this architecture is not supported"
         )
-    dev = input_ids.device
-    aux = torch.cat([hidden[i].to(dev) for i in ids], dim=-1)
-    return aux, hidden[-1].to(dev)
+    aux = torch.cat([hidden[i].to(device) for i in aux_ids], dim=-1)
+    return aux, hidden[-1].to(device)
 
 
 # ---------------------------------------------------------------------------------------- fingerprint

@@ -30,7 +30,7 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -424,8 +424,12 @@ def _collect_shard(
     final: Path,
     meta: dict,
     bar,
+    captured: Callable[[int, list[int], list[int]], tuple[torch.Tensor, torch.Tensor] | None] | None = None,
 ) -> dict:
-    """Run the target over one shard's rows and write the shard atomically; returns its manifest entry."""
+    """Run the target over one shard's rows and write the shard atomically; returns its manifest entry.
+
+    ``captured(row, input_ids, loss_mask)`` may give a row's features kept from regeneration; only the other
+    rows of a batch go through the target. The entry counts those rows' tokens as ``captured_tokens``."""
     from eagle.targets import capture_features
 
     device = _target_device(target)
@@ -436,45 +440,58 @@ def _collect_shard(
     layout = _storage_layout(len(aux_layers), target.hidden_size, dtype, offsets[-1], len(shard.rows))
     tmp = _tmp_name(final)
     writer = _ShardWriter(tmp, layout, meta)
-    loss_tokens = 0
+    loss_tokens = captured_tokens = 0
     try:
         writer.write_rows("offsets", 0, torch.tensor(offsets, dtype=torch.int64))
         writer.write_rows("seq_index", 0, torch.tensor(shard.rows, dtype=torch.int64))
         for start, end in shard.batches(batch_tokens):
-            if slow > 0:
-                time.sleep(slow)
             rows = ds[shard.rows[start:end]]
-            width = shard.lengths[start]
-            ids = torch.zeros(end - start, width, dtype=torch.long)
-            mask = torch.zeros(end - start, width, dtype=torch.long)
+            todo = []  # batch positions the target must run over
             for j, (tok, lm) in enumerate(zip(rows["input_ids"], rows["loss_mask"])):
                 if len(lm) != len(tok):
                     raise EagleError(
                         f"row {shard.rows[start + j]} of split {shard.split!r} has {len(tok)} tokens but "
                         f"{len(lm)} loss-mask entries: rerun `eagle prepare`"
                     )
-                ids[j, : len(tok)] = torch.tensor(tok, dtype=torch.long)
-                mask[j, : len(tok)] = 1
-                writer.write_rows("input_ids", offsets[start + j], torch.tensor(tok, dtype=torch.int32))
-                writer.write_rows("loss_mask", offsets[start + j], torch.tensor(lm, dtype=torch.uint8))
+                if max(tok) >= target.vocab_size or min(tok) < 0:
+                    bad_id = max(tok) if max(tok) >= target.vocab_size else min(tok)
+                    raise EagleError(
+                        f"split {shard.split!r} has token id {bad_id} but {target.name} has a vocabulary of "
+                        f"{target.vocab_size}: the data was prepared for another tokenizer; rerun `eagle prepare`"
+                    )
+                at = offsets[start + j]
+                writer.write_rows("input_ids", at, torch.tensor(tok, dtype=torch.int32))
+                writer.write_rows("loss_mask", at, torch.tensor(lm, dtype=torch.uint8))
                 loss_tokens += int(sum(lm))
-            if int(ids.max()) >= target.vocab_size or int(ids.min()) < 0:
-                bad_id = int(ids.max()) if int(ids.max()) >= target.vocab_size else int(ids.min())
-                raise EagleError(
-                    f"split {shard.split!r} has token id {bad_id} but {target.name} has a vocabulary "
-                    f"of {target.vocab_size}: the data was prepared for another tokenizer; rerun `eagle prepare`"
-                )
-            keep = mask.bool().to(device)  # right padding: the real tokens, in row order
-            try:
-                with torch.inference_mode():
-                    aux, last = capture_features(target.model, ids.to(device), mask.to(device), aux_layers)
-            except torch.OutOfMemoryError as exc:
-                raise EagleError(
-                    f"out of memory on a batch of {end - start} x {width} tokens: lower collect.batch_tokens "
-                    f"(now {batch_tokens}) and rerun; finished shards are kept"
-                ) from exc
-            writer.write_rows("aux_hidden", offsets[start], aux[keep].to(dtype).cpu())
-            writer.write_rows("last_hidden", offsets[start], last[keep].to(dtype).cpu())
+                kept = captured(shard.rows[start + j], tok, lm) if captured is not None else None
+                if kept is None:
+                    todo.append(j)
+                    continue
+                writer.write_rows("aux_hidden", at, kept[0].to(dtype))
+                writer.write_rows("last_hidden", at, kept[1].to(dtype))
+                captured_tokens += len(tok)
+            if todo:
+                if slow > 0:
+                    time.sleep(slow)
+                width = max(len(rows["input_ids"][j]) for j in todo)
+                ids = torch.zeros(len(todo), width, dtype=torch.long)
+                mask = torch.zeros(len(todo), width, dtype=torch.long)
+                for i, j in enumerate(todo):
+                    tok = rows["input_ids"][j]
+                    ids[i, : len(tok)] = torch.tensor(tok, dtype=torch.long)
+                    mask[i, : len(tok)] = 1
+                try:
+                    with torch.inference_mode():
+                        aux, last = capture_features(target.model, ids.to(device), mask.to(device), aux_layers)
+                except torch.OutOfMemoryError as exc:
+                    raise EagleError(
+                        f"out of memory on a batch of {len(todo)} x {width} tokens: lower collect.batch_tokens "
+                        f"(now {batch_tokens}) and rerun; finished shards are kept"
+                    ) from exc
+                for i, j in enumerate(todo):
+                    n = len(rows["input_ids"][j])
+                    writer.write_rows("aux_hidden", offsets[start + j], aux[i, :n].to(dtype).cpu())
+                    writer.write_rows("last_hidden", offsets[start + j], last[i, :n].to(dtype).cpu())
             if bar is not None:
                 bar.update(offsets[end] - offsets[start])
         writer.close()
@@ -490,6 +507,7 @@ def _collect_shard(
         "n_seq": len(shard.rows),
         "n_tok": offsets[-1],
         "loss_tokens": loss_tokens,
+        "captured_tokens": captured_tokens,
         "sha256": sha,
     }
 
@@ -596,6 +614,7 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
             "num_shards": len(plans[split]),
         }
     old = _check_compatible(out, header, split_info)
+    captured = _captured_lookup(data_dir, target, aux_layers, cfg.dtype)
 
     bpt = bytes_per_token(len(aux_layers), target.hidden_size, cfg.dtype)
     all_shards = [s for split in cfg.splits for s in plans[split]]
@@ -632,7 +651,7 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
 
     save_progress()
     t0 = time.perf_counter()
-    computed = 0
+    computed = copied = 0
     if todo:
         bar = tqdm(
             total=sum(s.n_tok for s in todo), unit="tok", unit_scale=True, desc="collect", disable=not main
@@ -651,9 +670,11 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
                     final,
                     meta,
                     bar,
+                    captured.get(shard.split),
                 )
                 entries[shard.split].append(entry)
                 computed += entry["n_tok"]
+                copied += entry["captured_tokens"]
                 save_progress()
         finally:
             bar.close()
@@ -664,8 +685,9 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
     )
     if main:
         done_before = len(mine) - len(todo)
+        kept = f", {copied:,} of them copied from regeneration's captures" if captured else ""
         print(
-            f"collect: {computed:,} tokens in {elapsed:.1f}s ({rate:,.0f} tokens/s on this process), "
+            f"collect: {computed:,} tokens in {elapsed:.1f}s ({rate:,.0f} tokens/s on this process{kept}), "
             f"{bpt:,} bytes/token; {done_before} of this process's {len(mine)} shards were already done",
             flush=True,
         )
@@ -677,6 +699,32 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
     if not main:
         manifest = _read_json(out / "manifest.json")
     return manifest
+
+
+def _captured_lookup(data_dir: Path, target, aux_layers: list[int], dtype: str) -> dict[str, Callable]:
+    """Per split, ``row, input_ids, loss_mask -> features | None`` from the features regeneration kept
+    (``data.capture_features``) when they match this target and layout; empty when there are none."""
+    from train.regen_features import CapturedFeatures, CaptureSpec
+
+    spec = CaptureSpec(
+        target_fingerprint=str(target.fingerprint),
+        model_dtype=str(getattr(target, "dtype", "")).removeprefix("torch."),
+        aux_layers=tuple(aux_layers),
+        dtype=dtype,
+    )
+    kept = CapturedFeatures.find(data_dir, spec)
+    if kept is None:
+        return {}
+    try:
+        split_ids = json.loads((data_dir / "split_ids.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    log.info("collect: %d conversations' features were kept by regeneration in %s", len(kept), kept.folder)
+
+    def lookup(ids: list[str]) -> Callable:
+        return lambda row, tok, lm: kept.for_row(ids[row], tok, lm) if row < len(ids) else None
+
+    return {split: lookup(list(ids)) for split, ids in split_ids.items()}
 
 
 def _shard_meta(header: dict, info: dict, shard: ShardPlan) -> dict[str, str]:

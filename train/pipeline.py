@@ -41,7 +41,7 @@ def run_prepare(cfg: RunConfig) -> dict[str, Any]:
     from train.prepare import prepare
 
     _setup_logging()
-    summary = prepare(cfg.data, cfg.target)
+    summary = prepare(cfg.data, cfg.target, collect=cfg.collect)
     _console().print(f"[bold]prepare[/]: {json.dumps(_short(summary))}")
     return summary
 

@@ -40,6 +40,8 @@ import torch
 
 from eagle.deadline import Deadline, check_minutes
 from eagle.errors import EagleError
+from train.collect import STORAGE_DTYPES, CollectConfig
+from train.regen_features import CaptureSpec, FeatureCapture, capture_dir, write_batch
 from train.sources import Conversation, Message, load_source, parse_source_spec, source_stamp
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,10 @@ class DataConfig:
     # its time budget. Not part of the output's identity: a cut output is reused by runs with a limit.
     regen_max_minutes: float | None = None
     on_overlong: str = "truncate"  # truncate: keep the first max_length tokens | skip: drop | error: raise
+    # keep the target's hidden states while it regenerates (the collect section's aux layers and dtype), so that
+    # `eagle collect` copies them instead of running the target over the data again (train/regen_features.py);
+    # costs the features' disk space twice until the regeneration folder is deleted
+    capture_features: bool = False
 
     def validate(self) -> DataConfig:
         """Raise EagleError naming the bad field; return self when all is well."""
@@ -101,6 +107,8 @@ class DataConfig:
             raise bad("output_dir", "a non-empty path")
         if not isinstance(self.regenerate, bool):
             raise bad("regenerate", "true or false")
+        if not isinstance(self.capture_features, bool):
+            raise bad("capture_features", "true or false")
         if not isinstance(self.regen_max_new_tokens, int) or self.regen_max_new_tokens < 1:
             raise bad("regen_max_new_tokens", "a positive integer")
         if not isinstance(self.regen_temperature, int | float) or self.regen_temperature < 0:
@@ -302,6 +310,7 @@ def generate_batch(
     cfg: DataConfig,
     stop_ids: set[int],
     seed: int,
+    capture: FeatureCapture | None = None,
 ) -> list[str]:
     """Answers for a batch of token-id prompts (left padded), decoded up to the first stop token.
 
@@ -310,6 +319,9 @@ def generate_batch(
     compute-bound on a CPU, so this answers the demo's batches of 64 SmolLM2 prompts 1.25x faster with the same
     greedy tokens (TUNING.md row 27b). Sampling (``regen_temperature > 0``) uses the same warpers as decoding
     (``eagle.verify.logits_to_probs``), seeded per batch so that a resumed run writes the same answers.
+
+    With ``capture`` the forwards also return hidden states, kept per row (``train/regen_features.py``); an
+    answer cut at ``regen_max_new_tokens`` then gets one more forward, for its last token's features.
     """
     from transformers import DynamicCache
 
@@ -333,10 +345,13 @@ def generate_batch(
         return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
     cache = DynamicCache(config=model.config)
+    states = {"output_hidden_states": capture is not None}
     out = model(
         input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True, **{kw: cache},
-        **last_logits_only(model),
+        **last_logits_only(model), **states,
     )
+    if capture is not None:
+        capture.prefill(input_ids, attention, out.hidden_states)
     can_drop = hasattr(cache, "batch_select_indices")
     live = torch.arange(len(prompts), device=device)  # the prompt each batch row answers
     answers: list[list[int]] = [[] for _ in prompts]
@@ -346,21 +361,31 @@ def generate_batch(
         for row, token in zip(live.tolist(), nxt.tolist()):
             if not answers[row] or answers[row][-1] not in stop_ids:
                 answers[row].append(token)
-        if step == cfg.regen_max_new_tokens - 1:
-            break
         ended = torch.tensor([answers[row][-1] in stop_ids for row in live.tolist()], device=device)
-        if bool(ended.all()):
+        final = step == cfg.regen_max_new_tokens - 1
+        # a captured answer cut by the token limit still needs its last token read (its features), one that
+        # ended with a stop token does not (the losses never read the stop token's own features)
+        if bool(ended.all()) or (final and capture is None):
             break
-        if can_drop and bool(ended.any()):
+        if bool(ended.any()) and (can_drop or capture is not None):
             rows = (~ended).nonzero().squeeze(-1)
-            cache.batch_select_indices(rows)
-            live, nxt, attention, last = live[rows], nxt[rows], attention[rows], last[rows]
+            if can_drop:
+                cache.batch_select_indices(rows)
+            else:  # a cache that cannot drop rows: keep them all, record only the live ones
+                rows = torch.arange(len(live), device=device)
+            live, nxt, attention, last, ended = live[rows], nxt[rows], attention[rows], last[rows], ended[rows]
         attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=-1)
         last = last + 1
         out = model(
             input_ids=nxt[:, None], attention_mask=attention, position_ids=last[:, None], use_cache=True,
-            **{kw: cache},
+            **{kw: cache}, **states,
         )
+        if capture is not None:
+            reading = [row for row, done in zip(live.tolist(), ended.tolist()) if not done]
+            keep = (~ended).nonzero().squeeze(-1)
+            capture.step(reading, nxt[keep], [h[keep] for h in out.hidden_states])
+        if final:
+            break
         nxt = pick(out.logits[:, -1])
     result = []
     for row in answers:
@@ -376,6 +401,7 @@ def regenerate(
     cfg: DataConfig,
     partial_path: Path | None = None,
     deadline: Deadline | None = None,
+    capture: tuple[Path, CaptureSpec] | None = None,
 ) -> list[Conversation]:
     """Replace assistant turns by the model's own answers, turn by turn, in length-sorted batches.
 
@@ -387,6 +413,9 @@ def regenerate(
     Batches run in a seeded random order. Once ``deadline`` cannot fit another batch (of the mean duration so far)
     no new one starts (the first always runs): conversations
     without an answer are cut before their unanswered turn, and those left without any answer are not returned.
+
+    ``capture`` = (folder, spec): keep the target's hidden states of every generated batch there
+    (``train/regen_features.py``), each batch's file written before its answers are logged.
     """
     from tqdm.auto import tqdm
 
@@ -448,6 +477,9 @@ def regenerate(
                     generated += 1
                     t0 = deadline.elapsed() if deadline is not None else 0.0
                     # the whole batch is regenerated so that its padding and seed match the first run's
+                    grab = None
+                    if capture is not None:
+                        grab = FeatureCapture(model, list(capture[1].aux_layers), STORAGE_DTYPES[capture[1].dtype])
                     answers = generate_batch(
                         model,
                         tokenizer,
@@ -455,7 +487,11 @@ def regenerate(
                         cfg,
                         stop_ids,
                         seed=cfg.seed * 1_000_003 + turn * 10_007 + b,
+                        capture=grab,
                     )
+                    if grab is not None:
+                        keys = [(convs[items[j][0]].id, turn) for j in batch]
+                        write_batch(capture[0], f"batch-{turn}-{b:05d}", keys, grab.rows(), capture[1])
                     for j, answer in zip(batch, answers):
                         key = (convs[items[j][0]].id, turn)
                         if key not in done:
@@ -551,6 +587,33 @@ def _regen_key(cfg: DataConfig, target: str, tokenizer: Any, model_fp: str | Non
     )
     stamps = [source_stamp(s) for s in cfg.sources]
     return _sha([FORMAT_VERSION, settings, stamps, target, _tokenizer_identity(tokenizer), model_fp])
+
+
+def _capture_plan(
+    cfg: DataConfig, collect: CollectConfig | None, model: Any, model_fp: str | None, out: Path, regen_key: str
+) -> tuple[Path, CaptureSpec] | None:
+    """Where and what ``cfg.capture_features`` keeps, or None when it is off or cannot match collection."""
+    if not cfg.capture_features:
+        return None
+    from eagle.targets import check_aux_layers, default_aux_layers
+
+    dtype = _model_dtype(model)
+    if cfg.regen_dtype is not None and dtype != getattr(torch, cfg.regen_dtype):
+        log.warning(
+            "data.capture_features: not capturing, the target answers in data.regen_dtype=%s but collects its "
+            "features in %s; `eagle collect` computes them", cfg.regen_dtype, str(dtype).removeprefix("torch.")
+        )
+        return None
+    collect = collect if collect is not None else CollectConfig()
+    num_layers = int(model.config.get_text_config().num_hidden_layers)
+    layers = default_aux_layers(num_layers) if collect.aux_layers is None else list(collect.aux_layers)
+    spec = CaptureSpec(
+        target_fingerprint=str(model_fp),
+        model_dtype=str(dtype).removeprefix("torch."),
+        aux_layers=tuple(check_aux_layers(layers, num_layers)),
+        dtype=collect.dtype,
+    )
+    return capture_dir(out, regen_key, spec), spec
 
 
 def _select(cfg: DataConfig) -> tuple[list[Conversation], dict[str, dict[str, int]]]:
@@ -659,12 +722,14 @@ def prepare(
     *,
     tokenizer: Any = None,
     model: torch.nn.Module | None = None,
+    collect: CollectConfig | None = None,
 ) -> dict[str, Any]:
     """Prepare training data for a target; returns the summary (also written to ``prepare_meta.json``).
 
     ``target_name`` is a target name (or a ``TargetConfig``); ``tokenizer`` / ``model`` may be given to skip
     loading (the model is only used with ``cfg.regenerate``). An output with the same settings is kept as is
-    (the summary then has ``skipped: true``).
+    (the summary then has ``skipped: true``). ``collect`` names the features that ``cfg.capture_features``
+    keeps (its aux layers and storage dtype; default: the collect defaults).
     """
     cfg.validate()
     for spec in cfg.sources:  # fail on a bad source before any model is loaded
@@ -695,9 +760,12 @@ def prepare(
             log.info("prepare: %s was cut by a time limit; answering the rest (no limit now)", out)
 
     conversations, stats = _select(cfg)
+    captured = None
     if cfg.regenerate:
-        partial = out / f"regen-{_regen_key(cfg, name, tokenizer, model_fp)}.jsonl"
+        regen_key = _regen_key(cfg, name, tokenizer, model_fp)
+        partial = out / f"regen-{regen_key}.jsonl"
         out.mkdir(parents=True, exist_ok=True)
+        capture = _capture_plan(cfg, collect, model, model_fp, out, regen_key)
         if cfg.regen_dtype is not None and _model_dtype(model) != getattr(torch, cfg.regen_dtype):
             if not loads_model:
                 model = copy.deepcopy(model)  # the caller's model stays as it was
@@ -709,8 +777,10 @@ def prepare(
             # our own copy, fingerprinted above: regeneration ~1.5x faster on a CPU (fp32), ~2x more in bf16
             prepack_for_cpu(model, dtypes=(torch.float32, torch.bfloat16))
         selected = len(conversations)
-        conversations = regenerate(conversations, tokenizer, model, cfg, partial, deadline)
+        conversations = regenerate(conversations, tokenizer, model, cfg, partial, deadline, capture)
         unanswered = selected - len(conversations)
+        if capture is not None:
+            captured = {"dir": capture[0].name, "spec": dataclasses.asdict(capture[1])}
     rows, dropped = _encode_all(conversations, tokenizer, cfg)
     if unanswered:
         dropped["regen_time_limit"] = unanswered
@@ -744,6 +814,7 @@ def prepare(
         "regen": {k: v for k, v in dataclasses.asdict(cfg).items() if k.startswith("regen_")}
         if cfg.regenerate
         else None,
+        "captured_features": captured,
         "counts": {k: len(v) for k, v in splits.items()},
         "dropped": dict(dropped),
         "truncated": truncated,
