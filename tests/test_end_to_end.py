@@ -169,6 +169,9 @@ def test_demo_writes_every_artefact(offline_run, workspace):
     assert manifest["splits"]["train"]["num_sequences"] == meta["counts"]["train"]
     for split in ("train", "val"):
         assert list((run / "features" / split).glob("shard-r00-*.safetensors"))
+    # regeneration kept the target's features (data.capture_features in the demo config): collect copied them
+    assert meta["captured_features"] and (run / "data" / meta["captured_features"]["dir"]).is_dir()
+    assert sum(s["captured_tokens"] for v in manifest["splits"].values() for s in v["shards"]) > 0
 
     # train: 30 optimizer steps, metrics, curves, final head
     metrics = [json.loads(line) for line in (run / "train" / "metrics.jsonl").read_text().splitlines()]
@@ -209,20 +212,38 @@ def test_demo_writes_every_artefact(offline_run, workspace):
     # regeneration, training and evaluation ran with their share of the 30-minute budget as a time limit
     limited = {name for name, s in stamps.items() if s.get("time_limit_minutes")}
     assert limited == {"prepare", "train", "eval"}
-    assert 0.35 * 27 < stamps["prepare"]["time_limit_minutes"] <= 0.35 * 27.5  # (30 - 2.5 reserved) x its share
+    from train.pipeline import STAGE_WEIGHT
+
+    share = STAGE_WEIGHT["prepare"]  # the demo config keeps regeneration's features: collect weighs little
+    assert share * 27 < stamps["prepare"]["time_limit_minutes"] <= share * 27.5  # (30 - 2.5 reserved) x its share
 
 
 def test_stage_time_limits_share_the_time_left():
     from train.config import RunConfig
-    from train.pipeline import MIN_STAGE_MINUTES, STAGE_WEIGHT, _limit_stage, _stage_hash
+    from train.pipeline import (
+        COLLECT_WEIGHT_UNCAPTURED,
+        MIN_STAGE_MINUTES,
+        _limit_stage,
+        _stage_hash,
+        stage_weights,
+    )
 
     cfg = RunConfig()
     key = _stage_hash(cfg, "eval")
     stages = ["prepare", "collect", "train", "export", "eval"]
-    assert _limit_stage(cfg, "prepare", stages, 1200.0) == pytest.approx(20 * STAGE_WEIGHT["prepare"])
-    assert cfg.data.regen_max_minutes == pytest.approx(7.0)
+    weights = stage_weights(cfg)
+    assert weights["collect"] == COLLECT_WEIGHT_UNCAPTURED  # no regeneration: collect runs the target itself
+    share = weights["prepare"] / sum(weights.values())
+    assert _limit_stage(cfg, "prepare", stages, 1200.0) == pytest.approx(20 * share)
+    assert cfg.data.regen_max_minutes == pytest.approx(20 * share)
+    cfg.data.regenerate = cfg.data.capture_features = True  # features kept by regeneration: collect only copies
+    cfg.data.regen_max_minutes = None
+    assert stage_weights(cfg)["collect"] < weights["collect"] / 5
+    assert _limit_stage(cfg, "prepare", stages, 1200.0) > 20 * share
+    key = _stage_hash(cfg, "eval")
     assert _limit_stage(cfg, "collect", stages[1:], 900.0) is None  # collect scales with the data instead
-    share = STAGE_WEIGHT["train"] / sum(STAGE_WEIGHT[s] for s in stages[2:])
+    weights = stage_weights(cfg)
+    share = weights["train"] / sum(weights[s] for s in stages[2:])
     assert _limit_stage(cfg, "train", stages[2:], 600.0) == pytest.approx(10 * share)
     assert _limit_stage(cfg, "eval", ["eval"], 300.0) == pytest.approx(5.0)  # the last stage gets all that is left
     assert _limit_stage(cfg, "eval", ["eval"], -60.0) == MIN_STAGE_MINUTES  # over budget: still a minimum
