@@ -16,6 +16,9 @@ the shards are dealt to processes round robin. Each shard is streamed into a tem
 place, so a killed run leaves only complete shards; a rerun verifies and keeps them and writes the rest (also
 with another number of processes, or a smaller ``batch_tokens`` after running out of memory).
 
+Rows whose features regeneration already kept (``data.capture_features``, ``train/regen_features.py``) are copied
+from there instead of recomputed; such a row's positions after its last label may be zeros (never read).
+
 Test hook: the environment variable ``EAGLE_COLLECT_SLOW=<seconds>`` sleeps that long before every forward
 batch, so tests can kill a run between two shards deterministically. It has no other effect.
 """
