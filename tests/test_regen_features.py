@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 import torch
@@ -126,7 +127,14 @@ def _chat(tmp_path, n=6):
     return str(path)
 
 
-def test_collect_copies_captured_features_and_computes_the_rest(tmp_path, tok, model, monkeypatch):
+def _copied(capsys) -> int:
+    """Tokens the last collect copied from captures, from its summary line."""
+    line = [x for x in capsys.readouterr().out.splitlines() if " tokens in " in x and "/s on this process" in x][-1]
+    found = re.search(r"([\d,]+) of them copied", line)
+    return int(found.group(1).replace(",", "")) if found else 0
+
+
+def test_collect_copies_captured_features_and_computes_the_rest(tmp_path, tok, model, monkeypatch, capsys):
     data = DataConfig(
         sources=[_chat(tmp_path)], regenerate=True, capture_features=True, regen_max_new_tokens=8,
         regen_batch_size=4, val_fraction=0.34, output_dir=str(tmp_path / "data"),
@@ -143,13 +151,17 @@ def test_collect_copies_captured_features_and_computes_the_rest(tmp_path, tok, m
 
     target = Target.from_model(model, name="tiny")
     manifest = collect(spec, tmp_path / "data", target)
-    copied = sum(s["captured_tokens"] for split in manifest["splits"].values() for s in split["shards"])
+    copied = _copied(capsys)
     total = sum(split["num_tokens"] for split in manifest["splits"].values())
     assert 0 < copied < total  # four rows copied, two computed
     # the same data collected by the target alone
-    monkeypatch.setattr(C, "_captured_lookup", lambda *a, **k: {})
-    plain = collect(CollectConfig(**{**spec.__dict__, "output_dir": str(tmp_path / "f2")}), tmp_path / "data", target)
-    assert all(s["captured_tokens"] == 0 for split in plain["splits"].values() for s in split["shards"])
+    with monkeypatch.context() as m:
+        m.setattr(C, "_captured_lookup", lambda *a, **k: {})
+        plain = collect(CollectConfig(**{**spec.__dict__, "output_dir": str(tmp_path / "f2")}), tmp_path / "data", target)
+    assert _copied(capsys) == 0 and plain["splits"] == {  # the manifests differ only in the shards' checksums
+        k: {**v, "shards": [{**s, "sha256": t["sha256"]} for s, t in zip(v["shards"], plain["splits"][k]["shards"])]}
+        for k, v in manifest["splits"].items()
+    }
     for split in ("train", "val"):
         a = FeatureShards(tmp_path / "f1", split)
         b = FeatureShards(tmp_path / "f2", split)
@@ -163,8 +175,10 @@ def test_collect_copies_captured_features_and_computes_the_rest(tmp_path, tok, m
             torch.testing.assert_close(x["last_hidden"][:end], y["last_hidden"][:end], rtol=1e-4, atol=1e-5)
 
     # features for another layout are not used: another storage dtype computes everything
-    other = collect(CollectConfig(output_dir=str(tmp_path / "f3"), dtype="bfloat16"), tmp_path / "data", target)
-    assert all(s["captured_tokens"] == 0 for split in other["splits"].values() for s in split["shards"])
+    collect(CollectConfig(output_dir=str(tmp_path / "f3"), dtype="bfloat16"), tmp_path / "data", target)
+    assert _copied(capsys) == 0
+    collect(CollectConfig(output_dir=str(tmp_path / "f4"), dtype="float32"), tmp_path / "data", target)
+    assert _copied(capsys) == copied  # ... and the same layout copies again
 
 
 def test_a_capture_is_used_only_for_the_row_it_fits(tmp_path, tok, model):

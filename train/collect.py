@@ -432,7 +432,8 @@ def _collect_shard(
     """Run the target over one shard's rows and write the shard atomically; returns its manifest entry.
 
     ``captured(row, input_ids, loss_mask)`` may give a row's features kept from regeneration; only the other
-    rows of a batch go through the target. The entry counts those rows' tokens as ``captured_tokens``."""
+    rows of a batch go through the target. The entry counts those rows' tokens as ``captured_tokens`` (for the
+    log; the caller drops it from the manifest entry)."""
     from eagle.targets import capture_features
 
     device = _target_device(target)
@@ -675,9 +676,9 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
                     bar,
                     captured.get(shard.split),
                 )
+                copied += entry.pop("captured_tokens")  # logged, not kept: a resumed run's manifest is the same
                 entries[shard.split].append(entry)
                 computed += entry["n_tok"]
-                copied += entry["captured_tokens"]
                 save_progress()
         finally:
             bar.close()
