@@ -141,10 +141,10 @@ STAGE_SECTIONS = {
     "export": ("target", "data", "collect", "head", "train", "export"),
     "eval": ("target", "data", "collect", "head", "train", "export", "eval"),
 }
-# rough share of the demo's wall time per stage (TUNING.md run 46): the ETA shown between stages, and how the
+# rough share of the demo's wall time per stage (TUNING.md runs 46-48): the ETA shown between stages, and how the
 # time left is shared out among the stages that take a time limit. Collection only copies the features that
 # regeneration kept (data.capture_features); running the target over all the data instead takes ~0.12 (run 43)
-STAGE_WEIGHT = {"prepare": 0.40, "collect": 0.01, "train": 0.37, "export": 0.01, "eval": 0.21}
+STAGE_WEIGHT = {"prepare": 0.39, "collect": 0.01, "train": 0.40, "export": 0.01, "eval": 0.19}
 COLLECT_WEIGHT_UNCAPTURED = 0.12
 
 
