@@ -573,14 +573,13 @@ def select_features(
     """``(aux_hidden, last_hidden)`` out of a forward's ``hidden_states`` (see :func:`capture_features`): one
     place for which states the features are, shared by collection and by capture during regeneration."""
     num_layers = int(model.config.get_text_config().num_hidden_layers)
-    hidden = hidden_states
-    if hidden is None or len(hidden) != num_layers + 1:
+    if hidden_states is None or len(hidden_states) != num_layers + 1:
         raise EagleError(
-            f"{type(model).__name__} returned {0 if hidden is None else len(hidden)} hidden states for "
-            f"{num_layers} layers (expected {num_layers + 1}); this architecture is not supported"
+            f"{type(model).__name__} returned {0 if hidden_states is None else len(hidden_states)} hidden states "
+            f"for {num_layers} layers (expected {num_layers + 1}); this architecture is not supported"
         )
-    aux = torch.cat([hidden[i].to(device) for i in aux_ids], dim=-1)
-    return aux, hidden[-1].to(device)
+    aux = torch.cat([hidden_states[i].to(device) for i in aux_ids], dim=-1)
+    return aux, hidden_states[-1].to(device)
 
 
 # ---------------------------------------------------------------------------------------- fingerprint

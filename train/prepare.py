@@ -367,12 +367,9 @@ def generate_batch(
         # ended with a stop token does not (the losses never read the stop token's own features)
         if bool(ended.all()) or (final and capture is None):
             break
-        if bool(ended.any()) and (can_drop or capture is not None):
+        if can_drop and bool(ended.any()):  # (a cache that cannot drop rows keeps them: capture skips them)
             rows = (~ended).nonzero().squeeze(-1)
-            if can_drop:
-                cache.batch_select_indices(rows)
-            else:  # a cache that cannot drop rows: keep them all, record only the live ones
-                rows = torch.arange(len(live), device=device)
+            cache.batch_select_indices(rows)
             live, nxt, attention, last, ended = live[rows], nxt[rows], attention[rows], last[rows], ended[rows]
         attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=-1)
         last = last + 1
@@ -590,15 +587,22 @@ def _regen_key(cfg: DataConfig, target: str, tokenizer: Any, model_fp: str | Non
 
 
 def _capture_plan(
-    cfg: DataConfig, collect: CollectConfig | None, model: Any, model_fp: str | None, out: Path, regen_key: str
+    cfg: DataConfig,
+    collect: CollectConfig | None,
+    model: Any,
+    model_fp: str | None,
+    out: Path,
+    regen_key: str,
+    converts: bool,
 ) -> tuple[Path, CaptureSpec] | None:
-    """Where and what ``cfg.capture_features`` keeps, or None when it is off or cannot match collection."""
+    """Where and what ``cfg.capture_features`` keeps, or None when it is off or cannot match collection
+    (``converts``: regeneration runs in ``data.regen_dtype``, not the dtype collection uses)."""
     if not cfg.capture_features:
         return None
     from eagle.targets import check_aux_layers, default_aux_layers
 
     dtype = _model_dtype(model)
-    if cfg.regen_dtype is not None and dtype != getattr(torch, cfg.regen_dtype):
+    if converts:
         log.warning(
             "data.capture_features: not capturing, the target answers in data.regen_dtype=%s but collects its "
             "features in %s; `eagle collect` computes them", cfg.regen_dtype, str(dtype).removeprefix("torch.")
@@ -607,12 +611,7 @@ def _capture_plan(
     collect = collect if collect is not None else CollectConfig()
     num_layers = int(model.config.get_text_config().num_hidden_layers)
     layers = default_aux_layers(num_layers) if collect.aux_layers is None else list(collect.aux_layers)
-    spec = CaptureSpec(
-        target_fingerprint=str(model_fp),
-        model_dtype=str(dtype).removeprefix("torch."),
-        aux_layers=tuple(check_aux_layers(layers, num_layers)),
-        dtype=collect.dtype,
-    )
+    spec = CaptureSpec.of(str(model_fp), dtype, check_aux_layers(layers, num_layers), collect.dtype)
     return capture_dir(out, regen_key, spec), spec
 
 
@@ -765,8 +764,9 @@ def prepare(
         regen_key = _regen_key(cfg, name, tokenizer, model_fp)
         partial = out / f"regen-{regen_key}.jsonl"
         out.mkdir(parents=True, exist_ok=True)
-        capture = _capture_plan(cfg, collect, model, model_fp, out, regen_key)
-        if cfg.regen_dtype is not None and _model_dtype(model) != getattr(torch, cfg.regen_dtype):
+        converts = cfg.regen_dtype is not None and _model_dtype(model) != getattr(torch, cfg.regen_dtype)
+        capture = _capture_plan(cfg, collect, model, model_fp, out, regen_key, converts)
+        if converts:
             if not loads_model:
                 model = copy.deepcopy(model)  # the caller's model stays as it was
             model = model.to(getattr(torch, cfg.regen_dtype))

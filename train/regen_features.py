@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,13 @@ class CaptureSpec:
     model_dtype: str  # the dtype the target ran in, e.g. "float32"
     aux_layers: tuple[int, ...]
     dtype: str  # storage dtype, as collect.dtype
+
+    @classmethod
+    def of(
+        cls, fingerprint: str, model_dtype: torch.dtype | None, aux_layers: Sequence[int], dtype: str
+    ) -> CaptureSpec:
+        """The spec both sides build (regeneration writing, collection reading), so that they compare equal."""
+        return cls(fingerprint, str(model_dtype).removeprefix("torch."), tuple(aux_layers), dtype)
 
     def key(self) -> str:
         """A short hash naming the capture folder: another spec never reads these files."""
@@ -156,21 +164,23 @@ class CapturedFeatures:
 
         self.folder = folder
         self.spec = spec
-        self._where: dict[str, tuple[int, Path, int]] = {}  # conversation id -> (turn, file, row)
+        # conversation id -> (turn, file, first token, end): the latest turn's row
+        self._where: dict[str, tuple[int, Path, int, int]] = {}
+        wanted = json.loads(json.dumps(asdict(spec)))  # as a file's metadata reads back (tuples as lists)
         for path in sorted(folder.glob("batch-*.safetensors")):
             try:
                 with safe_open(str(path), framework="pt") as fh:
                     meta = fh.metadata() or {}
-                keys = json.loads(meta.get("keys", "[]"))
-                their = json.loads(meta.get("spec", "{}"))
+                    if meta.get("format") != CAPTURE_FORMAT or json.loads(meta.get("spec", "{}")) != wanted:
+                        continue
+                    keys = json.loads(meta.get("keys", "[]"))
+                    offsets = fh.get_tensor("offsets").tolist()
             except Exception as exc:  # a torn or foreign file: ignore it, its rows go to the target
                 log.warning("captured features: skipping unreadable %s (%s)", path, exc)
                 continue
-            if meta.get("format") != CAPTURE_FORMAT or their != json.loads(json.dumps(asdict(spec))):
-                continue
             for row, (conv_id, turn) in enumerate(keys):
                 if conv_id not in self._where or self._where[conv_id][0] < turn:
-                    self._where[conv_id] = (int(turn), path, row)
+                    self._where[conv_id] = (int(turn), path, offsets[row], offsets[row + 1])
         self._handles: dict[Path, Any] = {}
 
     def __len__(self) -> int:
@@ -187,7 +197,7 @@ class CapturedFeatures:
         if not name:
             return None
         folder = Path(data_dir) / name
-        if not folder.is_dir() or not folder.name.endswith(f"-{spec.key()}"):
+        if not folder.is_dir():
             return None
         found = cls(folder, spec)
         return found if len(found) else None
@@ -207,10 +217,8 @@ class CapturedFeatures:
         where = self._where.get(conv_id)
         if where is None:
             return None
-        _, path, row = where
+        _, path, a, b = where
         fh = self._handle(path)
-        offsets = fh.get_tensor("offsets")
-        a, b = int(offsets[row]), int(offsets[row + 1])
         ids = torch.as_tensor(input_ids, dtype=torch.long)
         n = min(b - a, len(ids))
         if n < last_loss_position(loss_mask) or n == 0:
