@@ -65,6 +65,32 @@ def test_capture_holds_what_a_plain_forward_gives_and_changes_no_answer(tok, mod
         torch.testing.assert_close(last, last_ref[0], rtol=1e-4, atol=1e-5)
 
 
+
+def test_capture_is_the_same_with_a_cache_that_cannot_drop_rows(tok, model, monkeypatch):
+    """Where the cache cannot drop finished rows they stay in the batch: capture must skip them all the same."""
+    import transformers
+
+    class KeepRows(transformers.DynamicCache):
+        def __getattribute__(self, name):
+            if name == "batch_select_indices":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    prompts = _prompts(tok, ["Hi", "Tell me about the sea and the long coast line, please", "ok"])
+    cfg = DataConfig(regen_max_new_tokens=10)
+    _, free = _generate(model, tok, prompts, cfg, set())
+    stop = int(free[0][0][len(prompts[0]) + 2])  # ends row 0 at its 3rd answer token
+    dropping = _generate(model, tok, prompts, cfg, {stop})
+    assert not hasattr(KeepRows(), "batch_select_indices")
+    monkeypatch.setattr(transformers, "DynamicCache", KeepRows)
+    keeping = _generate(model, tok, prompts, cfg, {stop})
+    assert keeping[0] == dropping[0]
+    assert len(keeping[1][0][0]) < len(keeping[1][1][0])  # row 0 did stop early
+    for (ids_k, aux_k, last_k), (ids_d, aux_d, last_d) in zip(keeping[1], dropping[1]):
+        assert ids_k.tolist() == ids_d.tolist()
+        torch.testing.assert_close(aux_k, aux_d, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(last_k, last_d, rtol=1e-4, atol=1e-5)
+
 @pytest.mark.parametrize("loss", ["eagle3", "eagle1"])
 def test_losses_never_read_features_from_the_last_label_on(loss):
     """What lets a capture stop short: zeroing every feature from the last loss-masked position on changes
