@@ -65,7 +65,6 @@ def test_capture_holds_what_a_plain_forward_gives_and_changes_no_answer(tok, mod
         torch.testing.assert_close(last, last_ref[0], rtol=1e-4, atol=1e-5)
 
 
-
 def test_capture_is_the_same_with_a_cache_that_cannot_drop_rows(tok, model, monkeypatch):
     """Where the cache cannot drop finished rows they stay in the batch: capture must skip them all the same."""
     import transformers
@@ -90,6 +89,7 @@ def test_capture_is_the_same_with_a_cache_that_cannot_drop_rows(tok, model, monk
         assert ids_k.tolist() == ids_d.tolist()
         torch.testing.assert_close(aux_k, aux_d, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(last_k, last_d, rtol=1e-4, atol=1e-5)
+
 
 @pytest.mark.parametrize("loss", ["eagle3", "eagle1"])
 def test_losses_never_read_features_from_the_last_label_on(loss):
