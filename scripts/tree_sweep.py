@@ -1,12 +1,19 @@
 #!/usr/bin/env python
-"""Which draft tree pays on this machine? Time several tree shapes side by side with one draft head.
+"""Which draft tree pays on this machine, and which head drafts best? Several tree shapes (and heads) side by side.
 
-Loads the target and the head once, then for every prompt runs plain greedy decoding and speculative decoding
-with each tree shape, interleaved prompt by prompt (so machine noise hits every shape alike). Prints a table of
-tau, tokens/s and speedup over plain decoding per shape, writes JSON (``--out``) and a PNG beside it, and
+Loads the target and the heads once, then for every prompt runs plain greedy decoding and speculative decoding
+with each tree shape and head, interleaved prompt by prompt (so machine noise hits every run alike). Prints a
+table of tau, tokens/s and speedup over plain decoding per run, writes JSON (``--out``) and a PNG beside it, and
 checks that every speculative output equals plain greedy decoding.
 
     python scripts/tree_sweep.py --draft runs/demo/export --trees chain:3 chain:4 dynamic:4:2:6 dynamic:5:4:12
+    python scripts/tree_sweep.py --draft old=runs/a/export new=runs/b/export --trees dynamic:5:4:12+lookup:10 \
+        --max-prompts 40 --max-new-tokens 96 --cpu-prepack
+
+With several heads (``NAME=DIR``) the runs are named ``TREE@NAME`` and every run after the first is also compared
+with the first prompt by prompt (tau is a property of the head and the prompts, not of the machine's speed that
+day, so this is the fair way to compare heads trained on different days): on how many prompts its tau is
+higher or lower, and the mean per-prompt difference with its standard error.
 
 Tree specs: ``chain:DEPTH`` or ``dynamic:DEPTH:TOP_K:TOTAL_TOKENS``, optionally with ``+lookup`` (a prompt-lookup
 branch of 3-grams down to 1-grams, ``eval.tree.lookup_ngram``) or ``+lookup:TOKENS`` (a branch of up to TOKENS
@@ -82,7 +89,8 @@ def sweep(
     names = ["plain", *runs]
     # per tree: set -> [tokens, seconds, forwards, accepted, greedy matches, prompts]
     totals: dict[str, dict[str, list]] = {n: {} for n in names}
-    for k, (set_name, _pid, ids) in enumerate(tqdm(prompts, desc="tree sweep", unit="prompt")):
+    per_prompt: dict[str, list[dict[str, Any]]] = {n: [] for n in runs}
+    for k, (set_name, pid, ids) in enumerate(tqdm(prompts, desc="tree sweep", unit="prompt")):
         x = torch.tensor([ids])
         order = names[k % len(names) :] + names[: k % len(names)]
         results = {}
@@ -95,6 +103,10 @@ def sweep(
                     target.model, drafter, x, max_new_tokens, tree, eos_token_ids=eos
                 )
         for name, res in results.items():
+            if name != "plain":
+                per_prompt[name].append(
+                    {"set": set_name, "id": pid, "tau": res.mean_accept_length, "forwards": res.target_forwards}
+                )
             for key in (set_name, "overall"):
                 t = totals[name].setdefault(key, [0, 0.0, 0, 0, 0, 0])
                 t[0] += len(res.tokens)
@@ -119,7 +131,48 @@ def sweep(
                     "ms_per_forward": 1000 * secs / forwards if forwards else None,
                 }
             )
-    return {"rows": rows}
+    return {"rows": rows, "per_prompt": per_prompt, "paired": paired(per_prompt)}
+
+
+def paired(per_prompt: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every run after the first against the first, prompt by prompt: per-prompt tau differences (this run's
+    minus the first's) as counts of higher / lower, their mean and its standard error."""
+    import statistics
+
+    names = list(per_prompt)
+    out = []
+    for name in names[1:]:
+        diffs = [b["tau"] - a["tau"] for a, b in zip(per_prompt[names[0]], per_prompt[name], strict=True)]
+        if not diffs:
+            continue
+        se = statistics.stdev(diffs) / len(diffs) ** 0.5 if len(diffs) > 1 else float("nan")
+        out.append(
+            {
+                "run": name,
+                "against": names[0],
+                "prompts": len(diffs),
+                "higher": sum(d > 0 for d in diffs),
+                "lower": sum(d < 0 for d in diffs),
+                "mean_tau_difference": statistics.fmean(diffs),
+                "standard_error": se,
+            }
+        )
+    return out
+
+
+def parse_drafts(specs: list[str]) -> dict[str, Path]:
+    """``DIR`` or ``NAME=DIR`` items -> {name: folder}; a lone unnamed head is named after nothing ("")."""
+    if len(specs) == 1 and "=" not in specs[0]:
+        return {"": Path(specs[0])}
+    drafts: dict[str, Path] = {}
+    for spec in specs:
+        name, eq, folder = spec.partition("=")
+        if not eq or not name or not folder:
+            raise EagleError(f"--draft {spec!r}: with several heads, name each one as NAME=DIR")
+        if name in drafts:
+            raise EagleError(f"--draft: the name {name!r} is given twice; name every head differently")
+        drafts[name] = Path(folder)
+    return drafts
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -147,9 +200,22 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
+def _label(name: str, dtype: torch.dtype, num_dtypes: int) -> str:
+    """A drafter's label: the head's name, its dtype, or both where several heads run in several dtypes."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    if not name:
+        return dtype_name
+    return f"{name}/{dtype_name}" if num_dtypes > 1 else name
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", required=True, help="exported draft head directory")
+    ap.add_argument(
+        "--draft",
+        required=True,
+        nargs="+",
+        help="exported draft head directory; several as NAME=DIR to compare heads on the same prompts",
+    )
     ap.add_argument("--target", default="smollm2-135m-instruct")
     ap.add_argument(
         "--trees", nargs="+", default=["chain:2", "chain:3", "chain:4", "dynamic:4:2:6", "dynamic:5:4:12"]
@@ -174,15 +240,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         trees = {spec: parse_tree(spec) for spec in args.trees}
         target = load_target(args.target, dtype=args.dtype, device=args.device)
+        drafts = parse_drafts(args.draft)
         dtypes = {resolve_draft_dtype(d, target.device, target.dtype) for d in args.draft_dtype}
         heads = {
-            str(d).removeprefix("torch."): load_exported_head(Path(args.draft), target, dtype=d) for d in dtypes
+            _label(name, d, len(dtypes)): load_exported_head(folder, target, dtype=d)
+            for name, folder in drafts.items()
+            for d in dtypes
         }
         if args.cpu_prepack:
             prepack_for_cpu(target.model)
             for head in heads.values():
                 prepack_for_cpu(head)  # fp32 layers only: a bf16 head drafts faster unpacked (TUNING.md run 32)
-        drafters = {label: HeadDrafter(head) for label, head in sorted(heads.items())}
+        drafters = {label: HeadDrafter(head) for label, head in heads.items()}
         cfg = EvalConfig(prompts=args.prompts, max_prompts=args.max_prompts)
         prompts = [
             (s, pid, ids) for s, items in load_prompt_sets(cfg, target.tokenizer) for pid, ids in items
@@ -197,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"tree sweep: {args.draft}, {len(prompts)} prompts, {args.max_new_tokens} new tokens")
+    title = ", ".join(f"{n}={f}" if n else str(f) for n, f in drafts.items())
+    table = Table(title=f"tree sweep: {title}, {len(prompts)} prompts, {args.max_new_tokens} new tokens")
     table.add_column("tree", no_wrap=True)  # the shape is the point of the table: never cut it
     for col in ("set", "tau", "tok/s", "speedup", "ms/forward", "greedy match"):
         table.add_column(col)
@@ -211,9 +281,16 @@ def main(argv: list[str] | None = None) -> int:
             "-" if r["ms_per_forward"] is None else f"{r['ms_per_forward']:.1f}",
             r["greedy_match"],
         )
-    Console().print(table)
+    console = Console()
+    console.print(table)
+    for p in result["paired"]:
+        console.print(
+            f"{p['run']} vs {p['against']}: tau higher on {p['higher']}, lower on {p['lower']} of {p['prompts']} "
+            f"prompts; mean difference {p['mean_tau_difference']:+.3f} (standard error {p['standard_error']:.3f})",
+            highlight=False,
+        )
     result.update(
-        draft=args.draft,
+        draft={n or "head": str(f) for n, f in drafts.items()},
         target=args.target,
         device=args.device,
         dtype=args.dtype,

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
+import statistics
+from pathlib import Path
 
 import pytest
 from rich.console import Console
@@ -24,6 +27,15 @@ PROMPTS = [
     {"id": "b", "prompt": "def add(a, b):\n    return a + b\n\ndef sub(a, b):"},
     {"id": "c", "messages": [{"role": "user", "content": "Say hello twice."}]},
 ]
+
+
+def _load_script(name: str):
+    """A module from scripts/ (not a package), loaded by path."""
+    path = Path(__file__).resolve().parent.parent / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_script", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="module")
@@ -213,19 +225,13 @@ def test_auto_draft_dtype_is_bf16_only_on_cpus_with_bf16_units(monkeypatch):
 
 
 def test_tree_sweep_runs_every_tree_with_every_draft_dtype(target, draft_dir, prompts_file):
-    import importlib.util
-    from pathlib import Path
-
     import torch
 
     from eagle.drafter import HeadDrafter
     from eagle.evaluate import load_prompt_sets
     from eagle.export import load_exported_head
 
-    path = Path(__file__).resolve().parent.parent / "scripts" / "tree_sweep.py"
-    spec = importlib.util.spec_from_file_location("tree_sweep", path)
-    tree_sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tree_sweep)
+    tree_sweep = _load_script("tree_sweep")
     drafters = {
         str(d).removeprefix("torch."): HeadDrafter(load_exported_head(draft_dir, target, dtype=d))
         for d in (torch.float32, torch.bfloat16)
@@ -250,6 +256,44 @@ def test_tree_sweep_runs_every_tree_with_every_draft_dtype(target, draft_dir, pr
     assert all(r["tau"] >= 1.0 for r in overall if r["tree"] != "plain")
 
 
+def test_tree_sweep_compares_heads_prompt_by_prompt(target, draft_dir, prompts_file):
+    """Several heads (NAME=DIR): runs named TREE@NAME, each compared with the first prompt by prompt. The same
+    head under two names must come out identical on every prompt."""
+    tree_sweep = _load_script("tree_sweep")
+    from eagle.drafter import HeadDrafter
+    from eagle.evaluate import load_prompt_sets
+    from eagle.export import load_exported_head
+
+    drafts = tree_sweep.parse_drafts([f"a={draft_dir}", f"b={draft_dir}"])
+    assert list(drafts) == ["a", "b"]
+    drafters = {name: HeadDrafter(load_exported_head(folder, target)) for name, folder in drafts.items()}
+    sets = load_prompt_sets(EvalConfig(prompts=[str(prompts_file)]), target.tokenizer)
+    prompts = [(s, pid, ids) for s, items in sets for pid, ids in items]
+    result = tree_sweep.sweep(target, drafters, prompts, {"chain:2": tree_sweep.parse_tree("chain:2")}, 6)
+    assert {r["tree"] for r in result["rows"]} == {"plain", "chain:2@a", "chain:2@b"}
+    assert [p["id"] for p in result["per_prompt"]["chain:2@a"]] == [pid for _, pid, _ in prompts]
+    (pair,) = result["paired"]
+    assert (pair["run"], pair["against"], pair["prompts"]) == ("chain:2@b", "chain:2@a", len(prompts))
+    assert (pair["higher"], pair["lower"], pair["mean_tau_difference"]) == (0, 0, 0.0)
+
+
+def test_tree_sweep_paired_counts_and_draft_names():
+    tree_sweep = _load_script("tree_sweep")
+    per_prompt = {
+        "x": [{"tau": 2.0}, {"tau": 3.0}, {"tau": 2.5}],
+        "y": [{"tau": 2.5}, {"tau": 2.0}, {"tau": 3.5}],
+    }
+    (pair,) = tree_sweep.paired(per_prompt)
+    assert (pair["higher"], pair["lower"], pair["prompts"]) == (2, 1, 3)
+    assert pair["mean_tau_difference"] == pytest.approx((0.5 - 1.0 + 1.0) / 3)
+    assert pair["standard_error"] == pytest.approx(statistics.stdev([0.5, -1.0, 1.0]) / 3**0.5)
+    assert tree_sweep.parse_drafts(["runs/x"]) == {"": Path("runs/x")}
+    with pytest.raises(EagleError, match="NAME=DIR"):
+        tree_sweep.parse_drafts(["runs/x", "runs/y"])
+    with pytest.raises(EagleError, match="given twice"):
+        tree_sweep.parse_drafts(["a=runs/x", "a=runs/y"])
+
+
 def test_summarize_definitions():
     """Pooled tau over steps, median over prompts, per-depth rates over verification steps."""
     a = GenerationResult(
@@ -269,13 +313,7 @@ def test_summarize_definitions():
 
 
 def test_benchmark_table_is_rebuilt_from_all_results(tmp_path):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parent.parent / "scripts" / "benchmark.py"
-    spec = importlib.util.spec_from_file_location("benchmark_script", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_script("benchmark")
 
     def result(date, tau_chat, speedup):
         return {
