@@ -390,3 +390,22 @@ def test_vocab_save_load_roundtrip(tmp_path):
         check_vocab(d2t, bad)
     with pytest.raises(EagleError, match="not found"):
         load_vocab(tmp_path / "missing.safetensors")
+
+
+def test_exact_top1_taken_from_the_batch_when_given():
+    """``batch["target_top"]`` (kept by the trainer's validation) replaces the argmax: the same labels give the
+    same metrics, other labels other accuracies."""
+    import train.losses as losses
+
+    head, target = setup("eagle3")
+    batch = make_batch(target, [10, 10], 10, seed=7)
+    _, computed = eagle3_ttt_loss(head, batch, target.lm_head, ttt_steps=2)
+    tops = losses.target_argmax(target.lm_head, batch["last_hidden"])
+    _, given = eagle3_ttt_loss(head, {**batch, "target_top": tops}, target.lm_head, ttt_steps=2)
+    assert given == computed
+    # labels rigged to the head's own step-0 predictions (the one at i is scored against the label at i + 1)
+    out = losses.ttt_forward(head, batch["input_ids"], head.project(batch["aux_hidden"]), 1, batch["attention_mask"])[0]
+    rigged_top = torch.full_like(tops, -1)
+    rigged_top[:, 1:] = head.draft_to_target(head.logits(out).argmax(-1))[:, :-1]
+    _, rigged = eagle3_ttt_loss(head, {**batch, "target_top": rigged_top}, target.lm_head, ttt_steps=2)
+    assert rigged["acc_0"].item() == 1.0 and computed["acc_0"].item() < 1.0

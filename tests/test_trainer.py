@@ -513,3 +513,36 @@ def test_time_limit_shortens_the_schedule_to_fit(tmp_path, bigram_data, bigram_t
     assert trains[-1]["lr"] < 3e-3 * 0.15  # the (rescaled) cosine reached its floor (min_lr_ratio 0.1)
     with pytest.raises(EagleError, match="train.max_minutes"):
         TrainConfig(max_minutes=-1).validate()
+
+
+def test_validation_labels_are_computed_once(tmp_path, bigram_data, bigram_target, monkeypatch):
+    """The target's exact top-1 of each validation batch is computed at the first evaluation and reused by the
+    later ones (the labels never change), with the same metrics as computing them afresh."""
+    import train.losses as L
+
+    calls = [0]
+    real = L.target_argmax
+
+    def counted(lm_head, hidden):
+        calls[0] += 1
+        return real(lm_head, hidden)
+
+    monkeypatch.setattr(L, "target_argmax", counted)
+    _, features = bigram_data
+    runs = {}
+    for every in (5, 20):  # four evaluations, then one
+        calls[0] = 0
+        result = train(
+            target=bigram_target,
+            features_dir=features,
+            head=HeadSpec(draft_vocab_size=128),
+            cfg=cfg(tmp_path / f"every-{every}", max_steps=20, eval_every=every),
+        )
+        evals = [e for e in read_metrics(tmp_path / f"every-{every}" / "metrics.jsonl") if e["event"] == "eval"]
+        runs[every] = (calls[0], evals[-1], result.global_step, len(evals))
+    assert runs[5][2] == runs[20][2] == 20 and (runs[5][3], runs[20][3]) == (4, 1)
+    assert runs[5][0] == runs[20][0] > 0  # one argmax per validation batch, however many evaluations
+    last_5, last_20 = runs[5][1], runs[20][1]
+    assert last_5["step"] == last_20["step"] == 20
+    for key in ("val_acc_0", "val_acc_1", "val_acc_2", "val_loss"):
+        assert last_5[key] == last_20[key], key

@@ -66,7 +66,7 @@ def _target_logits_at(target_lm_head: nn.Module, hidden: torch.Tensor, ids: torc
         return F.linear(hidden, w, b).float()
 
 
-def _target_argmax(target_lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+def target_argmax(target_lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The target's argmax over its full vocabulary, computed a chunk of positions at a time so the fp32 logits
     of the whole batch never exist at once."""
     flat = hidden.reshape(-1, hidden.shape[-1])
@@ -205,7 +205,8 @@ def eagle3_ttt_loss(
 
     Metrics: ``loss``, per step ``loss_j``, ``acc_j`` and ``count_j``. ``acc_j``: the head's argmax mapped to
     target ids equals the target's top token. With ``exact_top1`` (evaluation) that is the target's argmax over
-    its full vocabulary, computed in chunks; without it (the training step) it is the argmax of the
+    its full vocabulary, computed in chunks, or taken from ``batch["target_top"]`` [B,T] where the caller has
+    it (:func:`target_argmax` of the same ``last_hidden``); without it (the training step) it is the argmax of the
     draft-restricted target logits, so the full lm_head is never run. The two agree wherever the target's top
     token is in the draft vocabulary (barring exact ties); elsewhere the exact metric is a miss (the head can
     only predict draft tokens) while the restricted one may count a hit, so the restricted one is an upper bound.
@@ -219,8 +220,10 @@ def eagle3_ttt_loss(
     hidden = head.project(aux)
     draft_ids = torch.arange(head.d2t.numel(), device=ids.device) + head.d2t.to(ids.device)
     draft_logits = _target_logits_at(target_lm_head, batch["last_hidden"], draft_ids).to(ids.device)
-    if exact_top1:
-        target_top = _target_argmax(target_lm_head, batch["last_hidden"]).to(ids.device)
+    if exact_top1 and "target_top" in batch:  # given by a caller that keeps them (validation, train/trainer.py)
+        target_top = batch["target_top"].to(ids.device)
+    elif exact_top1:
+        target_top = target_argmax(target_lm_head, batch["last_hidden"]).to(ids.device)
     else:
         target_top = draft_ids[draft_logits.argmax(-1)]
     target_logp = torch.log_softmax(draft_logits, dim=-1)

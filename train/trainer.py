@@ -536,12 +536,19 @@ def evaluate(
     online: bool,
     target,
     aux_layers,
+    top1_cache: dict[int, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Validation loss and top-1 accuracy (per TTT step for eagle3), token-weighted over all processes.
 
     Every process runs the same number of forwards (a process without data in the last global batch runs a
-    dummy with weight 0), which DDP's buffer broadcast and ZeRO-3's parameter gathering need."""
+    dummy with weight 0), which DDP's buffer broadcast and ZeRO-3's parameter gathering need.
+
+    ``top1_cache`` (eagle3): the target's full-vocabulary argmax of every validation batch, by batch index, kept
+    by the caller from one evaluation to the next. The labels never change while the head trains, and that argmax
+    (a 49k-row fp32 lm_head over every position, for SmolLM2) was ~3/4 of an evaluation's time; the plan
+    yields the same batches in the same order every time, so an index names a batch."""
     from train.batching import batch_loader, rank_slice
+    from train.losses import target_argmax
 
     rank, world = accelerator.process_index, accelerator.num_processes
     mine, weights = [], []
@@ -555,8 +562,13 @@ def evaluate(
     was_training = model.training
     model.eval()
     with torch.no_grad():
-        for batch, weight in zip(batch_loader(source, mine, cfg.num_workers), weights):
+        for i, (batch, weight) in enumerate(zip(batch_loader(source, mine, cfg.num_workers), weights)):
             batch = _prepare_batch(batch, accelerator, online, target, aux_layers)
+            if top1_cache is not None and kind == "eagle3":
+                if i not in top1_cache:
+                    lm_head = target.model.get_output_embeddings()
+                    top1_cache[i] = target_argmax(lm_head, batch["last_hidden"])
+                batch["target_top"] = top1_cache[i]
             _, m = model(batch)
             for j in range(steps):
                 if kind == "eagle3":
@@ -777,6 +789,7 @@ class _Run:
             run_name=cfg.run_name,
         )
         self.eval_plan = None
+        self.val_top1: dict[int, torch.Tensor] = {}  # the target's exact top-1 per validation batch (evaluate)
         if self.val_src is not None:
             val_lengths = [
                 n if n >= MIN_LENGTH else 0 for n in self.val_src.lengths()[: cfg.eval_max_sequences]
@@ -904,6 +917,7 @@ class _Run:
             self.cfg.mode == "online",
             self.target,
             self.aux_layers,
+            self.val_top1,
         )
         self.state["last_eval_step"] = step
         self.logger.log("eval", step, self.eval_metrics)
