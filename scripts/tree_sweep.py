@@ -117,7 +117,9 @@ def sweep(
                 t[5] += 1
     rows = []
     for name in names:
-        for set_name, (tokens, secs, forwards, accepted, match, n) in totals[name].items():
+        sets = [k for k in totals[name] if k != "overall"] + ["overall"]  # the sets as met, then the total
+        for set_name in sets:
+            tokens, secs, forwards, accepted, match, n = totals[name][set_name]
             plain_rate = totals["plain"][set_name][0] / totals["plain"][set_name][1]
             rate = tokens / secs
             rows.append(
@@ -176,7 +178,7 @@ def parse_drafts(specs: list[str]) -> dict[str, Path]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Speedup per tree shape and prompt set, as grouped bars."""
+    """Speedup and tau per run and prompt set, as grouped bars side by side."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -184,17 +186,19 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
     trees = list(dict.fromkeys(r["tree"] for r in rows if r["tree"] != "plain"))
     sets = list(dict.fromkeys(r["set"] for r in rows))
-    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * len(trees), 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(2.4 + 2.4 * len(trees), 3.8))
     width = 0.8 / len(sets)
-    for j, s in enumerate(sets):
-        vals = [next(r["speedup"] for r in rows if r["tree"] == t and r["set"] == s) for t in trees]
-        ax.bar([i + j * width for i in range(len(trees))], vals, width, label=s)
-    ax.axhline(1.0, color="gray", lw=1, ls="--")
-    ax.set_xticks(
-        [i + width * (len(sets) - 1) / 2 for i in range(len(trees))], trees, rotation=20, fontsize=8
-    )
-    ax.set_ylabel("speedup over plain decoding")
-    ax.legend(fontsize=8, loc="lower right")
+    for ax, key, label in ((axes[0], "speedup", "speedup over plain decoding"), (axes[1], "tau", "tau")):
+        for j, s in enumerate(sets):
+            vals = [next(r[key] for r in rows if r["tree"] == t and r["set"] == s) for t in trees]
+            ax.bar([i + j * width for i in range(len(trees))], vals, width, label=s)
+        if key == "speedup":
+            ax.axhline(1.0, color="gray", lw=1, ls="--")
+        ax.set_xticks(
+            [i + width * (len(sets) - 1) / 2 for i in range(len(trees))], trees, rotation=20, fontsize=7
+        )
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -241,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         trees = {spec: parse_tree(spec) for spec in args.trees}
         target = load_target(args.target, dtype=args.dtype, device=args.device)
         drafts = parse_drafts(args.draft)
-        dtypes = {resolve_draft_dtype(d, target.device, target.dtype) for d in args.draft_dtype}
+        dtypes = sorted({resolve_draft_dtype(d, target.device, target.dtype) for d in args.draft_dtype}, key=str)
         heads = {
             _label(name, d, len(dtypes)): load_exported_head(folder, target, dtype=d)
             for name, folder in drafts.items()
@@ -281,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             "-" if r["ms_per_forward"] is None else f"{r['ms_per_forward']:.1f}",
             r["greedy_match"],
         )
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a log file gets the whole table
     console.print(table)
     for p in result["paired"]:
         console.print(
