@@ -515,6 +515,40 @@ def test_time_limit_shortens_the_schedule_to_fit(tmp_path, bigram_data, bigram_t
         TrainConfig(max_minutes=-1).validate()
 
 
+def test_time_limit_lengthens_a_schedule_cut_by_slow_first_steps(tmp_path, bigram_data, bigram_target, monkeypatch):
+    """The first steps are slow (3 s each for 10 steps, then 1 s): judged on them alone the 1-minute run would stop
+    at ~19 steps. The pace is measured over the later half of the steps run, so the cut schedule is lengthened
+    again and the run ends at ~38 steps, still inside the minute."""
+    from eagle.deadline import Deadline
+    from train import trainer as T
+
+    clock, calls = [0.0], [0]
+    monkeypatch.setattr(T, "Deadline", lambda minutes: Deadline(minutes, clock=lambda: clock[0]))
+    real_step = T._Run._micro_step
+
+    def slow_then_fast(self, batch):
+        calls[0] += 1
+        clock[0] += 3.0 if calls[0] <= 10 else 1.0
+        return real_step(self, batch)
+
+    monkeypatch.setattr(T._Run, "_micro_step", slow_then_fast)
+    _, features = bigram_data
+    out = tmp_path / "run"
+    result = train(
+        target=bigram_target,
+        features_dir=features,
+        head=HeadSpec(draft_vocab_size=128),
+        cfg=cfg(out, max_minutes=1.0, log_every=5, ttt_steps=1),
+    )
+    # 30 s for the first 10 steps, then 1 s a step up to 60 s less the 1.8 s kept for the end
+    assert 36 <= result.global_step <= 38, result.global_step
+    assert clock[0] <= 60.0
+    info = json.loads((out / "final" / "train_info.json").read_text())
+    assert info["time_cut"] is True
+    trains = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] == "train"]
+    assert trains[-1]["step"] == result.global_step and trains[-1]["lr"] < 3e-3 * 0.15
+
+
 def test_validation_labels_are_computed_once(tmp_path, bigram_data, bigram_target, monkeypatch):
     """The target's exact top-1 of each validation batch is computed at the first evaluation and reused by the
     later ones (the labels never change), with the same metrics as computing them afresh."""
