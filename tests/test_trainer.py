@@ -478,21 +478,22 @@ def test_rng_state_round_trip_through_weights_only(tmp_path):
     assert random.random() == expected[1] and np.random.rand() == expected[2]
 
 
-def test_time_limit_shortens_the_schedule_to_fit(tmp_path, bigram_data, bigram_target, monkeypatch):
-    """train.max_minutes: at 1 s per step (a hand-wound clock), a 1-minute limit ends the run after ~58 steps
-    with the cosine decay finished, instead of the 100 epochs asked for."""
+def _timed_run(tmp_path, bigram_data, bigram_target, monkeypatch, seconds_for_step):
+    """Train with a 1-minute train.max_minutes on a hand-wound clock: micro-step n advances it by
+    ``seconds_for_step(n)``. Returns the result, the run folder and the clock's final reading."""
     from eagle.deadline import Deadline
     from train import trainer as T
 
-    clock = [0.0]
+    clock, calls = [0.0], [0]
     monkeypatch.setattr(T, "Deadline", lambda minutes: Deadline(minutes, clock=lambda: clock[0]))
     real_step = T._Run._micro_step
 
-    def one_second_per_step(self, batch):
-        clock[0] += 1.0
+    def timed_step(self, batch):
+        calls[0] += 1
+        clock[0] += seconds_for_step(calls[0])
         return real_step(self, batch)
 
-    monkeypatch.setattr(T._Run, "_micro_step", one_second_per_step)
+    monkeypatch.setattr(T._Run, "_micro_step", timed_step)
     _, features = bigram_data
     out = tmp_path / "run"
     result = train(
@@ -501,6 +502,13 @@ def test_time_limit_shortens_the_schedule_to_fit(tmp_path, bigram_data, bigram_t
         head=HeadSpec(draft_vocab_size=128),
         cfg=cfg(out, max_minutes=1.0, log_every=5, ttt_steps=1),
     )
+    return result, out, clock[0]
+
+
+def test_time_limit_shortens_the_schedule_to_fit(tmp_path, bigram_data, bigram_target, monkeypatch):
+    """train.max_minutes: at 1 s per step (a hand-wound clock), a 1-minute limit ends the run after ~58 steps
+    with the cosine decay finished, instead of the 100 epochs asked for."""
+    result, out, _ = _timed_run(tmp_path, bigram_data, bigram_target, monkeypatch, lambda n: 1.0)
     # 60 s minus the 1.8 s kept for the final evaluation and checkpoint, at 1 s a step
     assert 55 <= result.global_step <= 58, result.global_step
     assert json.loads((out / "final" / "train_info.json").read_text())["time_cut"] is True
@@ -519,32 +527,13 @@ def test_time_limit_lengthens_a_schedule_cut_by_slow_first_steps(tmp_path, bigra
     """The first steps are slow (3 s each for 10 steps, then 1 s): judged on them alone the 1-minute run would stop
     at ~19 steps. The pace is measured over the later half of the steps run, so the cut schedule is lengthened
     again and the run ends at ~38 steps, still inside the minute."""
-    from eagle.deadline import Deadline
-    from train import trainer as T
-
-    clock, calls = [0.0], [0]
-    monkeypatch.setattr(T, "Deadline", lambda minutes: Deadline(minutes, clock=lambda: clock[0]))
-    real_step = T._Run._micro_step
-
-    def slow_then_fast(self, batch):
-        calls[0] += 1
-        clock[0] += 3.0 if calls[0] <= 10 else 1.0
-        return real_step(self, batch)
-
-    monkeypatch.setattr(T._Run, "_micro_step", slow_then_fast)
-    _, features = bigram_data
-    out = tmp_path / "run"
-    result = train(
-        target=bigram_target,
-        features_dir=features,
-        head=HeadSpec(draft_vocab_size=128),
-        cfg=cfg(out, max_minutes=1.0, log_every=5, ttt_steps=1),
+    result, out, clock = _timed_run(
+        tmp_path, bigram_data, bigram_target, monkeypatch, lambda n: 3.0 if n <= 10 else 1.0
     )
     # 30 s for the first 10 steps, then 1 s a step up to 60 s less the 1.8 s kept for the end
     assert 36 <= result.global_step <= 38, result.global_step
-    assert clock[0] <= 60.0
-    info = json.loads((out / "final" / "train_info.json").read_text())
-    assert info["time_cut"] is True
+    assert clock <= 60.0
+    assert json.loads((out / "final" / "train_info.json").read_text())["time_cut"] is True
     trains = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] == "train"]
     assert trains[-1]["step"] == result.global_step and trains[-1]["lr"] < 3e-3 * 0.15
 
