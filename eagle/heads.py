@@ -284,6 +284,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([-b, a], dim=-1)
 
 
+def gather_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """The rows ``rows`` [B, Q] (long) of every sequence of ``x`` [B, T, ...]: [B, Q, ...]."""
+    index = rows.to(x.device).view(*rows.shape, *([1] * (x.dim() - 2)))
+    return x.gather(1, index.expand(*rows.shape, *x.shape[2:]))
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate x [B, H, T, d] by cos/sin [B, T, r] (r <= d: partial rotary leaves the rest unchanged)."""
     cos, sin = cos[:, None], sin[:, None]
@@ -313,12 +319,21 @@ class Attention(nn.Module):
         sin: torch.Tensor,
         attention_mask: torch.Tensor | None,
         cache: HeadCache | None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Keys/values from all T positions of ``x``; queries (and the output) only at ``rows`` [B, Q] when
+        given, which needs an explicit ``attention_mask`` [B, 1, Q, S]."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k = apply_rope(k, cos, sin)
+        if rows is not None:
+            if attention_mask is None:
+                raise ValueError("attention over chosen query rows needs an explicit attention_mask")
+            x, cos, sin = gather_rows(x, rows), gather_rows(cos, rows), gather_rows(sin, rows)
+            t = rows.shape[1]
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
         past = 0
         if cache is not None:
             past = cache.length
@@ -370,12 +385,13 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
 
-    def forward(self, emb, hidden, cos, sin, attention_mask, cache) -> torch.Tensor:
+    def forward(self, emb, hidden, cos, sin, attention_mask, cache, rows=None) -> torch.Tensor:
         if self.kind == "eagle3":
             x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
         else:
             x = hidden
-        h = hidden + self.self_attn(x, cos, sin, attention_mask, cache)
+        residual = hidden if rows is None else gather_rows(hidden, rows)
+        h = residual + self.self_attn(x, cos, sin, attention_mask, cache, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -454,17 +470,22 @@ class _DraftHead(nn.Module):
         position_ids: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         cache: HeadCache | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One draft step over T positions. ``hidden`` is the projected feature [B, T, h] (see :meth:`project`);
         ``attention_mask`` is bool [B|1, 1, T, S] (True = may attend) over the S = cache.length + T keys, or
-        None for plain causal attention. Appends T entries to ``cache`` when given. Returns [B, T, h]."""
+        None for plain causal attention. Appends T entries to ``cache`` when given. Returns [B, T, h].
+
+        ``rows`` [B, Q] (long): every position still gives its key and value, but only these positions are
+        queried and returned ([B, Q, h]; the mask is then [B, 1, Q, S]). Training uses it to skip the
+        attention output and MLP of positions whose result no loss reads."""
         emb = self.embed(input_ids)
         hidden = hidden.to(self._param_dtype())
         if position_ids.dim() == 1:
             position_ids = position_ids[None].expand(input_ids.shape[0], -1)
         cos, sin = self.rotary(position_ids, hidden.dtype)
         hidden = self._layer_input(emb, hidden)
-        return self.midlayer(emb, hidden, cos, sin, attention_mask, cache)
+        return self.midlayer(emb, hidden, cos, sin, attention_mask, cache, rows)
 
     def _layer_input(self, emb: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         return hidden

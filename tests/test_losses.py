@@ -145,6 +145,45 @@ def test_ttt_forward_on_chosen_chains_equals_the_full_rows(left_pad):
             torch.testing.assert_close(sparse[j][r, :n], full[j][r, chains[r, :n]], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("left_pad", [False, True])
+def test_step0_on_chosen_rows_equals_the_full_rows_and_gradients(left_pad):
+    # step 0 queried only at some positions (every position still gives keys/values), the later steps along
+    # chains among them: outputs and parameter gradients equal the all-positions computation's
+    head, target = setup("eagle3")
+    head.train()
+    steps, t = 3, 10
+    batch = make_batch(target, [10, 7], t, left_pad=left_pad, seed=3)
+    am = batch["attention_mask"]
+    chain_set = torch.zeros(2, t, dtype=torch.bool)
+    chain_set[0, [2, 5, 6]] = True
+    chain_set[1, [4, 8] if left_pad else [1, 3]] = True
+    extra = torch.zeros_like(chain_set)
+    extra[0, [7, 9]] = True
+    extra[1, [5] if left_pad else [0]] = True
+    chains, rows0 = chain_positions(chain_set), chain_positions(chain_set | extra)
+
+    def run(sparse: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
+        head.zero_grad()
+        hidden = head.project(batch["aux_hidden"])
+        outs = ttt_forward(head, batch["input_ids"], hidden, steps, am, chains, rows0 if sparse else None)
+        picked = [outs[0] if sparse else outs[0].gather(1, rows0[..., None].expand(-1, -1, outs[0].shape[-1]))]
+        picked += outs[1:]
+        weights = torch.linspace(0.5, 1.5, outs[0].shape[-1])
+        sum((p * weights).sum() for p in picked).backward()
+        return picked, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+
+    full, full_grads = run(False)
+    sparse, sparse_grads = run(True)
+    assert sparse[0].shape == (2, rows0.shape[1], full[0].shape[-1]) and rows0.shape[1] < t
+    for j in range(steps):
+        torch.testing.assert_close(sparse[j], full[j], atol=1e-5, rtol=1e-5)
+    assert full_grads.keys() == sparse_grads.keys() and "fc.weight" in full_grads
+    for name, grad in full_grads.items():
+        torch.testing.assert_close(sparse_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    with pytest.raises(ValueError, match="step0_rows needs chains"):
+        ttt_forward(head, batch["input_ids"], head.project(batch["aux_hidden"]), steps, am, None, rows0)
+
+
 def test_eagle3_loss_matches_hand_computation():
     head, target = setup("eagle3")
     steps, decay, t = 3, 0.8, 8

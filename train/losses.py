@@ -121,6 +121,7 @@ def ttt_forward(
     steps: int,
     attention_mask: torch.Tensor | None = None,
     chains: torch.Tensor | None = None,
+    step0_rows: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
     """Unrolled test-time-training forward. Step j at position i reads token x_{i+j+1}, the step-(j-1) output
     at i (step 0: ``hidden``, already projected), position id i+j, and attends per :func:`ttt_attention_mask`.
@@ -130,18 +131,31 @@ def ttt_forward(
     ``chains`` [B,K] (long, from :func:`chain_positions`) limits steps 1.. to those root positions: step 0 still
     runs over all T positions (every query attends to its keys), the later steps return [B,K,h] rows that equal
     the full computation's rows at ``chains``. Training only needs the chains that reach a loss-masked label,
-    so prompt positions cost one step instead of ``steps``."""
+    so prompt positions cost one step instead of ``steps``.
+
+    ``step0_rows`` [B,K0] (sorted per row, from :func:`chain_positions`, holding every root in ``chains``) limits
+    step 0's queries and output to those positions: every position still gives its step-0 key and value, but the
+    attention output and MLP run only where a loss or a chain reads the result; step 0 then returns [B,K0,h]."""
     b, t = input_ids.shape
     am = None if attention_mask is None else attention_mask.to(input_ids.device).bool()
     # a step-0 key at p is usable when both of its inputs (x_p's feature, x_{p+1}) are real tokens
     key_valid = None if am is None or bool(am.all()) else am & _shift(am, 1, False)
+    if step0_rows is not None and chains is None and steps > 1:
+        raise ValueError("step0_rows needs chains: the later steps read step 0's output only at those rows")
     cache = HeadCache()
     outs = []
     for j in range(steps):
+        if step0_rows is not None and j == 0:
+            mask, _ = _chain_attention_mask(step0_rows, t, 0, key_valid)
+            pos = torch.arange(t, device=input_ids.device)[None].expand(b, -1)
+            hidden = head(_shift(input_ids, 1, 0), hidden, pos, mask, cache, rows=step0_rows)
+            outs.append(hidden)
+            continue
         if chains is not None and j > 0:
             mask, pos = _chain_attention_mask(chains, t, j, key_valid)
             if j == 1:
-                hidden = hidden.gather(1, chains[..., None].expand(-1, -1, hidden.shape[-1]))
+                index = chains if step0_rows is None else _row_index(step0_rows, chains)
+                hidden = hidden.gather(1, index[..., None].expand(-1, -1, hidden.shape[-1]))
             ids = _shift(input_ids, j + 1, 0).gather(1, chains)
             hidden = head(ids, hidden, pos, mask, cache)
             outs.append(hidden)
@@ -164,6 +178,12 @@ def chain_positions(needed: torch.Tensor) -> torch.Tensor:
     order = torch.sort((~needed).to(torch.int8), dim=1, stable=True).indices[:, :k]
     keep = torch.arange(k, device=needed.device)[None] < needed.sum(1, keepdim=True)
     return torch.where(keep, order, torch.full_like(order, t - 1))
+
+
+def _row_index(rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Where each of ``positions`` [B,K] sits in ``rows`` [B,K0] (both sorted per row, every real position
+    present in ``rows``); padding lands on some row, which is fine since padded chains are ignored."""
+    return torch.searchsorted(rows.contiguous(), positions.contiguous()).clamp(max=rows.shape[1] - 1)
 
 
 def _chain_attention_mask(
@@ -200,8 +220,10 @@ def eagle3_ttt_loss(
     ``loss_mask[i+j+2]`` is set and tokens i..i+j+2 are real; each step is a mean over its own count.
 
     Only the target's logits at the draft ids are computed for the CE (``last_hidden @ W[draft_ids].T``), not
-    the full ``lm_head`` over the whole vocabulary; the head's logits only where a label counts; and steps 1..
-    only along the chains that reach a label (:func:`chain_positions`): prompt tokens are context, run once.
+    the full ``lm_head`` over the whole vocabulary, and only at the positions a label is read from; the head's
+    logits only where a label counts; step 0's attention output and MLP only at the roots a label or a later
+    step reads, and steps 1.. only along the chains that reach a label (:func:`chain_positions`): prompt tokens
+    are context, giving keys and values once.
 
     Metrics: ``loss``, per step ``loss_j``, ``acc_j`` and ``count_j``. ``acc_j``: the head's argmax mapped to
     target ids equals the target's top token. With ``exact_top1`` (evaluation) that is the target's argmax over
@@ -218,31 +240,44 @@ def eagle3_ttt_loss(
     if head.training:
         aux = add_feature_noise(aux.float(), noise_std)
     hidden = head.project(aux)
-    draft_ids = torch.arange(head.d2t.numel(), device=ids.device) + head.d2t.to(ids.device)
-    draft_logits = _target_logits_at(target_lm_head, batch["last_hidden"], draft_ids).to(ids.device)
-    if exact_top1 and "target_top" in batch:  # given by a caller that keeps them (validation, train/trainer.py)
-        target_top = batch["target_top"].to(ids.device)
-    elif exact_top1:
-        target_top = target_argmax(target_lm_head, batch["last_hidden"]).to(ids.device)
-    else:
-        target_top = draft_ids[draft_logits.argmax(-1)]
-    target_logp = torch.log_softmax(draft_logits, dim=-1)
-    del draft_logits
-
     # counted[j][b, i]: step j's prediction at root i has a label (x_{i+j+2} loss-masked, inputs real)
     counted, valid = [], am & _shift(am, 1, False) & _shift(am, 2, False)
     for j in range(ttt_steps):
         counted.append(valid & _shift(lm, j + 2, False))
         valid = valid & _shift(am, j + 3, False)
-    chains = None
+
+    # the target's label distributions only at the positions some step reads one (the label of root i at
+    # step j is the target's distribution at i+j+1): [N, draft_vocab], ``slot`` maps (b, position) to its row
+    labelled = torch.zeros_like(am)
+    for j, c in enumerate(counted):
+        labelled[:, j + 1 :] |= c[:, : t - j - 1]
+    slot = (labelled.flatten().cumsum(0) - 1).view_as(labelled)
+    draft_ids = torch.arange(head.d2t.numel(), device=ids.device) + head.d2t.to(ids.device)
+    label_hidden = batch["last_hidden"][labelled.to(batch["last_hidden"].device)]
+    draft_logits = _target_logits_at(target_lm_head, label_hidden, draft_ids).to(ids.device)
+    if exact_top1 and "target_top" in batch:  # given by a caller that keeps them (validation, train/trainer.py)
+        target_top = batch["target_top"].to(ids.device)[labelled]
+    elif exact_top1:
+        target_top = target_argmax(target_lm_head, label_hidden).to(ids.device)
+    else:
+        target_top = draft_ids[draft_logits.argmax(-1)]
+    target_logp = torch.log_softmax(draft_logits, dim=-1)
+    del draft_logits
+    chains, needed = None, counted[0]
     if ttt_steps > 1:  # steps 1.. only along the chains that reach a label
-        chains = chain_positions(torch.stack(counted[1:]).any(0))
-    outs = ttt_forward(head, ids, hidden, ttt_steps, None if bool(am.all()) else am, chains)
+        later = torch.stack(counted[1:]).any(0)
+        chains, needed = chain_positions(later), needed | later
+    # step 0 queries only the positions a label or a chain reads (prompt tokens only give keys and values)
+    rows0 = chain_positions(needed) if ttt_steps > 0 else None
+    if rows0 is not None and rows0.shape[1] == t:
+        rows0 = None  # every position is needed: plain step 0
+    outs = ttt_forward(head, ids, hidden, ttt_steps, None if bool(am.all()) else am, chains, rows0)
     total = hidden.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
+    every = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], -1)
     for j, out in enumerate(outs):
-        # roots of this step's rows: every position for step 0, the chains after it
-        roots = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], -1) if j == 0 else chains
+        # roots of this step's rows: step 0's queried positions, then the chains
+        roots = (every if rows0 is None else rows0) if j == 0 else chains
         mask = counted[j].gather(1, roots)
         count = mask.sum()
         if not bool(mask.any()):
@@ -254,10 +289,11 @@ def eagle3_ttt_loss(
             logits = head.logits(out[mask]).float()
             label = (roots + j + 1).clamp(max=t - 1)[mask]
             rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(roots)[mask]
-            p = target_logp[rows, label].exp()
+            at = slot[rows, label]
+            p = target_logp[at].exp()
             ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
             loss_j = ce.sum() / count
-            hit = head.draft_to_target(logits.argmax(-1)) == target_top[rows, label]
+            hit = head.draft_to_target(logits.argmax(-1)) == target_top[at]
             acc_j = hit.sum() / count
         total = total + step_decay**j * loss_j
         metrics[f"loss_{j}"] = loss_j.detach()
