@@ -393,6 +393,12 @@ CASES = [
         r"must be >= 1",
     ),
     Case(
+        "config-unknown-collect-target-dtype",
+        lambda r, t: cmd("collect", r, "collect.target_dtype=int8"),
+        r"collect\.target_dtype.*got 'int8'",
+        r"null \(target\.dtype\) or one of",
+    ),
+    Case(
         "config-zero-max-length",
         lambda r, t: cmd("prepare", r, "data.max_length=0"),
         r"data\.max_length.*got 0",

@@ -211,3 +211,36 @@ def test_a_capture_is_used_only_for_the_row_it_fits(tmp_path, tok, model):
     assert kept.for_row("b", row, mask) is None  # another conversation
     assert kept.for_row("a", row[:6], [0, 0, 1, 1, 1, 1]) is not None  # a truncated row
     assert len(CapturedFeatures(tmp_path / "cap", CaptureSpec("fp", "bfloat16", tuple(AUX), "float32"))) == 0
+
+
+def test_a_bf16_regeneration_keeps_features_for_a_bf16_collection(tmp_path, tok, model, capsys):
+    """data.regen_dtype and collect.target_dtype alike: the bf16 target's features are kept and copied; a
+    collection in another dtype than regeneration's keeps nothing (it could not use it)."""
+    import copy
+
+    base = dict(
+        sources=[_chat(tmp_path, n=4)], regenerate=True, capture_features=True, regen_max_new_tokens=6,
+        regen_batch_size=4, val_fraction=0.25, regen_dtype="bfloat16",
+    )  # fmt: skip
+    apart = prepare(DataConfig(**base, output_dir=str(tmp_path / "d0")), "tiny", tokenizer=tok, model=model,
+                    collect=CollectConfig(dtype="float32"))  # collection would run the fp32 target
+    assert apart["captured_features"] is None
+    spec = CollectConfig(output_dir=str(tmp_path / "f"), dtype="float32", target_dtype="bfloat16")
+    summary = prepare(DataConfig(**base, output_dir=str(tmp_path / "d1")), "tiny", tokenizer=tok, model=model,
+                      collect=spec)
+    assert summary["captured_features"]["spec"]["model_dtype"] == "bfloat16"
+    assert next(model.parameters()).dtype == torch.float32  # the caller's model was not converted
+
+    bf16 = Target.from_model(copy.deepcopy(model).to(torch.bfloat16), name="tiny")
+    manifest = collect(spec, tmp_path / "d1", bf16)
+    total = sum(split["num_tokens"] for split in manifest["splits"].values())
+    assert _copied(capsys) == total  # every row's features were kept
+    row = FeatureShards(tmp_path / "f", "train")[0]
+    end = last_loss_position(row["loss_mask"])
+    aux, last = capture_features(bf16.model, row["input_ids"][None], None, AUX)
+    torch.testing.assert_close(row["aux_hidden"][:end], aux[0, :end].float(), rtol=0.05, atol=0.05)
+    torch.testing.assert_close(row["last_hidden"][:end], last[0, :end].float(), rtol=0.05, atol=0.05)
+    # the fp32 target does not take the bf16 target's features
+    collect(CollectConfig(output_dir=str(tmp_path / "f32"), dtype="float32"), tmp_path / "d1",
+            Target.from_model(model, name="tiny"))
+    assert _copied(capsys) == 0

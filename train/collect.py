@@ -66,6 +66,9 @@ class CollectConfig:
     output_dir: str = "runs/demo/features"
     aux_layers: list[int] | None = None  # None: the target's default (eagle.targets.default_aux_layers)
     dtype: str = "bfloat16"  # storage dtype of the hidden states
+    # the dtype the target computes the features in; null: target.dtype. A bf16 target's features train a head
+    # as well as fp32 ones (TUNING.md run 38); with data.regen_dtype the same, regeneration's capture is used
+    target_dtype: str | None = None
     batch_tokens: int = 8192  # padded tokens per forward batch
     shard_tokens: int = 200_000  # tokens per shard file
     splits: list[str] = field(default_factory=lambda: ["train", "val"])
@@ -76,6 +79,11 @@ class CollectConfig:
         """Raise EagleError on values that cannot work."""
         if self.dtype not in STORAGE_DTYPES:
             raise EagleError(f"collect.dtype must be one of {list(STORAGE_DTYPES)}, got {self.dtype!r}")
+        if self.target_dtype is not None and self.target_dtype not in STORAGE_DTYPES:
+            raise EagleError(
+                f"collect.target_dtype must be null (target.dtype) or one of {list(STORAGE_DTYPES)}, "
+                f"got {self.target_dtype!r}"
+            )
         layers = self.aux_layers
         if layers is not None and (not layers or min(layers) < 1 or len(set(layers)) != len(layers)):
             raise EagleError(

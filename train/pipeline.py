@@ -60,7 +60,7 @@ def run_collect(cfg: RunConfig) -> dict[str, Any]:
         # under a multi-process launch each process drives its own GPU
         state = PartialState()
         device = str(state.device) if state.num_processes > 1 else device
-    target = load_target(target_cfg.name, dtype=target_cfg.dtype, device=device,
+    target = load_target(target_cfg.name, dtype=cfg.collect.target_dtype or target_cfg.dtype, device=device,
                          trust_remote_code=target_cfg.trust_remote_code)
     if target_cfg.cpu_prepack:
         from eagle.targets import prepack_for_cpu

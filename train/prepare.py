@@ -593,25 +593,28 @@ def _capture_plan(
     model_fp: str | None,
     out: Path,
     regen_key: str,
-    converts: bool,
 ) -> tuple[Path, CaptureSpec] | None:
-    """Where and what ``cfg.capture_features`` keeps, or None when it is off or cannot match collection
-    (``converts``: regeneration runs in ``data.regen_dtype``, not the dtype collection uses)."""
+    """Where and what ``cfg.capture_features`` keeps, or None when it is off or cannot match collection:
+    regeneration must run the target in the dtype collection will (``data.regen_dtype`` and
+    ``collect.target_dtype``, each defaulting to the target's own)."""
     if not cfg.capture_features:
         return None
     from eagle.targets import check_aux_layers, default_aux_layers
 
-    dtype = _model_dtype(model)
-    if converts:
+    collect = collect if collect is not None else CollectConfig()
+    own = str(_model_dtype(model)).removeprefix("torch.")
+    regen_dtype, collect_dtype = cfg.regen_dtype or own, collect.target_dtype or own
+    if regen_dtype != collect_dtype:
         log.warning(
-            "data.capture_features: not capturing, the target answers in data.regen_dtype=%s but collects its "
-            "features in %s; `eagle collect` computes them", cfg.regen_dtype, str(dtype).removeprefix("torch.")
+            "data.capture_features: not capturing, the target answers in %s (data.regen_dtype) but collects its "
+            "features in %s (collect.target_dtype); `eagle collect` computes them. Set both alike to capture",
+            regen_dtype, collect_dtype,
         )
         return None
-    collect = collect if collect is not None else CollectConfig()
     num_layers = int(model.config.get_text_config().num_hidden_layers)
     layers = default_aux_layers(num_layers) if collect.aux_layers is None else list(collect.aux_layers)
-    spec = CaptureSpec.of(str(model_fp), dtype, check_aux_layers(layers, num_layers), collect.dtype)
+    spec = CaptureSpec.of(str(model_fp), getattr(torch, regen_dtype), check_aux_layers(layers, num_layers),
+                          collect.dtype)
     return capture_dir(out, regen_key, spec), spec
 
 
@@ -765,7 +768,7 @@ def prepare(
         partial = out / f"regen-{regen_key}.jsonl"
         out.mkdir(parents=True, exist_ok=True)
         converts = cfg.regen_dtype is not None and _model_dtype(model) != getattr(torch, cfg.regen_dtype)
-        capture = _capture_plan(cfg, collect, model, model_fp, out, regen_key, converts)
+        capture = _capture_plan(cfg, collect, model, model_fp, out, regen_key)
         if converts:
             if not loads_model:
                 model = copy.deepcopy(model)  # the caller's model stays as it was
