@@ -523,13 +523,19 @@ def test_time_limit_shortens_the_schedule_to_fit(tmp_path, bigram_data, bigram_t
         TrainConfig(max_minutes=-1).validate()
 
 
-def test_time_limit_lengthens_a_schedule_cut_by_slow_first_steps(tmp_path, bigram_data, bigram_target, monkeypatch):
+def test_time_limit_lengthens_a_schedule_cut_by_slow_first_steps(
+    tmp_path, bigram_data, bigram_target, monkeypatch, capsys
+):
     """The first steps are slow (3 s each for 10 steps, then 1 s): judged on them alone the 1-minute run would stop
     at ~19 steps. The pace is measured over the later half of the steps run, so the cut schedule is lengthened
-    again and the run ends at ~38 steps, still inside the minute."""
+    again and the run ends at ~38 steps, still inside the minute. The console hears of the cut once, and of
+    where the schedule ended once."""
     result, out, clock = _timed_run(
         tmp_path, bigram_data, bigram_target, monkeypatch, lambda n: 3.0 if n <= 10 else 1.0
     )
+    said = [line for line in capsys.readouterr().out.splitlines() if "train.max_minutes=1" in line]
+    assert len(said) == 2 and "shortening the schedule" in said[0], said
+    assert f"ended the schedule at step {result.global_step} of the" in said[1], said
     # 30 s for the first 10 steps, then 1 s a step up to 60 s less the 1.8 s kept for the end
     assert 36 <= result.global_step <= 38, result.global_step
     assert clock <= 60.0

@@ -867,15 +867,21 @@ class _Run:
         longer = self.time_cut and total > self.total_steps and total >= 1.02 * self.total_steps
         if not (shorter or longer):
             return
-        if self.main and (longer or not self.time_cut):
-            what = "shortening the schedule" if shorter else "the pace is faster: lengthening the schedule again"
-            print(
-                f"train: at {per_step:.2f} s/step, {self.planned_steps:,} steps would "
-                f"{'overrun' if total < self.planned_steps else 'fit'} train.max_minutes={self.deadline.minutes:g}; "
-                f"{what} to {total:,} steps",
-                flush=True,
+        if self.main and not self.time_cut:  # said once; later changes show in the bar's total and at the end
+            self._say(
+                f"train: at {per_step:.2f} s/step, {self.planned_steps:,} steps would overrun train.max_minutes="
+                f"{self.deadline.minutes:g}; shortening the schedule to {total:,} steps (it follows the measured "
+                "pace from here on)"
             )
         self._set_total_steps(total)
+
+    def _say(self, text: str) -> None:
+        """A line for the console that does not tear the progress bar."""
+        bar = getattr(self, "bar", None)
+        if bar is not None and not bar.disable:
+            bar.write(text)
+        else:
+            print(text, flush=True)
 
     # ---- pieces of the loop
 
@@ -1070,6 +1076,12 @@ class _Run:
                     state["micro_batch"] = 0
         finally:
             self.bar.close()
+        if self.main and self.time_cut:
+            step = state["global_step"]
+            self._say(
+                f"train: train.max_minutes={self.deadline.minutes:g} ended the schedule at step {step:,} of the "
+                f"{self.planned_steps:,} planned ({step / max(self.steps_per_epoch, 1):.1f} epochs)"
+            )
 
     def finish(self) -> TrainResult:
         """Final evaluation and checkpoint, ``final/`` (the input of ``eagle export``), curves."""
