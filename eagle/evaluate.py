@@ -547,7 +547,13 @@ def evaluate(
         _check_context(sets, cfg.max_new_tokens, _tree_tokens(tree_cfg), target)
 
     autotune = None
+    first = torch.tensor([sets[0][1][0][1]])
     if auto:
+        # warm up first: the calibration is ~10 steps, and a cold start (lazy CUDA kernel loading, allocator
+        # growth) would inflate the draft time it measures and favour larger trees
+        for i in range(cfg.warmup):
+            _run_prompt(cfg, target, drafter, replace(tree_cfg, total_tokens=max(candidates)), first, eos,
+                        cfg.seed + i, ["speculative"], min(cfg.max_new_tokens, 16))
         calib = [torch.tensor([prompts[0][1]]) for _, prompts in sets][:2]
         if len(calib) < 2 and len(sets[0][1]) > 1:
             calib.append(torch.tensor([sets[0][1][1][1]]))
@@ -571,7 +577,6 @@ def evaluate(
         + (["plain"] if cfg.baseline else [])
         + (["prompt_lookup"] if cfg.prompt_lookup else [])
     )
-    first = torch.tensor([sets[0][1][0][1]])
     for i in range(cfg.warmup):
         _run_prompt(
             cfg, target, drafter, tree_cfg, first, eos, cfg.seed + i, methods, min(cfg.max_new_tokens, 16)

@@ -171,6 +171,13 @@ def _load_gguf() -> tuple[torch.nn.Module, Any]:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
     except ImportError as e:
         raise EagleError(f"reading {path.name} needs the `gguf` package ({e}); run `pip install gguf`") from e
+    # the GGUF's own EOS id (<|im_end|>, which ends every chat turn) is in the model config; some transformers
+    # versions (5.17) map the tokenizer's EOS to <|im_start|> and leave no pad token
+    eos = model.config.eos_token_id
+    if isinstance(eos, int) and tokenizer.eos_token_id != eos:
+        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
 
 

@@ -15,6 +15,7 @@ from eagle.drafter import HeadDrafter, OracleDrafter
 from eagle.errors import EagleError
 from eagle.heads import HeadCache, HeadConfig, build_head
 from eagle.speculate import GenerationResult, plain_generate, speculative_generate, tree_attention_mask
+from eagle.targets import cache_kwarg
 from eagle.testing import FAMILIES, tiny_config
 from eagle.tree import TreeConfig, tree_from_parents
 
@@ -201,12 +202,12 @@ def test_tree_forward_and_noncontiguous_gather_match_recompute(name):
     model = target(name)
     ids = prompt(3)
     cache = DynamicCache()
-    model(ids, cache=cache, use_cache=True)
+    model(ids, **{cache_kwarg(model): cache}, use_cache=True)
     logits = model(
         TREE.tokens[None],
         attention_mask=_verify_mask(model, TREE, T, torch.float32),
         position_ids=(T + TREE.depths)[None],
-        cache=cache,
+        **{cache_kwarg(model): cache},
         use_cache=True,
     ).logits[0]
     # each node's logits equal a plain forward over prompt + its root-to-node path
@@ -218,7 +219,7 @@ def test_tree_forward_and_noncontiguous_gather_match_recompute(name):
     accepted = torch.tensor([0, 2, 5, 7])
     gather_cache(cache, torch.cat([torch.arange(T), T + accepted]))
     assert cache_length(cache) == T + 4
-    nxt = model(torch.tensor([[9]]), cache=cache, use_cache=True).logits[0, -1]
+    nxt = model(torch.tensor([[9]]), **{cache_kwarg(model): cache}, use_cache=True).logits[0, -1]
     full = model(torch.cat([ids[0], TREE.tokens[accepted], torch.tensor([9])])[None]).logits[0, -1]
     torch.testing.assert_close(nxt, full, atol=1e-5, rtol=1e-5)
 
@@ -293,14 +294,14 @@ def test_head_drafter_matches_recompute(kind):
     accepted = tree.paths[-1][tree.paths[-1] >= 0]
     assert accepted.numel() >= 3 and not torch.equal(accepted, torch.arange(accepted.numel()))
     cache = DynamicCache()
-    model(ids, cache=cache, use_cache=True)
+    model(ids, **{cache_kwarg(model): cache}, use_cache=True)
     from eagle.speculate import _verify_mask
 
     tree_hs = model(
         tree.tokens[None],
         attention_mask=_verify_mask(model, tree, T, torch.float32),
         position_ids=(T + tree.depths)[None],
-        cache=cache,
+        **{cache_kwarg(model): cache},
         output_hidden_states=True,
     ).hidden_states
     bonus = 33
