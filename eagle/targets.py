@@ -410,6 +410,21 @@ class Target:
         )
 
 
+def avoid_cudnn_attention(device: str | torch.device) -> bool:
+    """On a CUDA device, turn off PyTorch's cuDNN backend of scaled-dot-product attention; True when it did.
+
+    The cuDNN backend sets up a plan for every new query / key length, and decoding meets a new key length at
+    every step (the KV cache grows; tree drafts and verifications vary too). On an H200 with torch 2.11 that made
+    a SmolLM2-135M decoding step 176 instead of 31 ms and a tree draft 418 instead of 17 ms until each length had
+    been seen once (benchmarks/TUNING.md run G2). The flash and memory-efficient kernels, which PyTorch picks
+    instead, need no such set-up. ``EAGLE_CUDNN_ATTENTION=1`` keeps the cuDNN backend on. Process-wide.
+    """
+    if torch.device(device).type != "cuda" or os.environ.get("EAGLE_CUDNN_ATTENTION") == "1":
+        return False
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
+
+
 def load_target(
     name_or_cfg: str | TargetConfig,
     dtype: str | torch.dtype = "float32",
@@ -453,7 +468,9 @@ def load_target(
         tokenizer = load_tokenizer(path, trust_remote_code=cfg.trust_remote_code)
     except EagleError as e:
         raise EagleError(f"target {name!r} loaded but its tokenizer did not: {e}") from e
-    return Target.from_model(model, tokenizer, name=name)
+    target = Target.from_model(model, tokenizer, name=name)
+    avoid_cudnn_attention(target.device)  # decoding, regeneration and verification see a new length each step
+    return target
 
 
 # ----------------------------------------------------------------------------------------- aux layers

@@ -15,4 +15,4 @@ shift || true
 # up to 20 prompts per set so that several of each set finish inside its share
 python3 -m eagle.cli demo --config configs/smollm2_1gpu.yaml --budget "$MINUTES" \
     run_dir=runs/smollm2-1gpu-short demo.reserve_minutes=0.5 data.max_conversations=3000 \
-    data.capture_features=true eval.max_prompts=20 eval.max_new_tokens=128 "$@"
+    eval.max_prompts=20 eval.max_new_tokens=128 "$@"

@@ -365,3 +365,20 @@ def test_hub_cache_snapshot_found(monkeypatch, tmp_path):
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(T, "_hub_reachable", lambda: pytest.fail("the network must not be probed"))
     assert Path(T.resolve_target("SomeOrg/tiny")) == repo / "snapshots" / ("0" * 40)
+
+
+def test_avoid_cudnn_attention_only_on_cuda(monkeypatch):
+    """cuDNN attention is turned off for CUDA devices (a plan per new length made decoding ~6x slower on an
+    H200, TUNING.md run G2), left alone on the CPU, and kept when EAGLE_CUDNN_ATTENTION=1."""
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        monkeypatch.delenv("EAGLE_CUDNN_ATTENTION", raising=False)
+        assert T.avoid_cudnn_attention("cpu") is False and torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.setenv("EAGLE_CUDNN_ATTENTION", "1")
+        assert T.avoid_cudnn_attention("cuda:0") is False and torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.delenv("EAGLE_CUDNN_ATTENTION")
+        assert T.avoid_cudnn_attention(torch.device("cuda", 1)) is True
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -254,6 +254,9 @@ def _make_accelerator(cfg: TrainConfig):
     else:
         kwargs["cpu"] = not cuda
     accelerator = Accelerator(**kwargs)
+    from eagle.targets import avoid_cudnn_attention
+
+    avoid_cudnn_attention(accelerator.device)  # batches of varying length would each set up a cuDNN plan
     if accelerator.distributed_type.name == "DEEPSPEED":
         _fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, cfg)
     return accelerator
