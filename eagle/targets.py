@@ -172,12 +172,10 @@ def _load_gguf() -> tuple[torch.nn.Module, Any]:
     except ImportError as e:
         raise EagleError(f"reading {path.name} needs the `gguf` package ({e}); run `pip install gguf`") from e
     # the GGUF's own EOS id (<|im_end|>, which ends every chat turn) is in the model config; some transformers
-    # versions (5.17) map the tokenizer's EOS to <|im_start|> and leave no pad token
+    # versions (5.17) map the tokenizer's EOS to <|im_start|> (a missing pad token is filled by load_tokenizer)
     eos = model.config.eos_token_id
     if isinstance(eos, int) and tokenizer.eos_token_id != eos:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
     return model.eval(), tokenizer
 
 

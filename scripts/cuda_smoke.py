@@ -2,7 +2,7 @@
 
 Runs ``eagle demo --config configs/smollm2_1gpu.yaml`` (target in bf16 on ``cuda``: prepare with regeneration and
 feature capture, collect, offline training, export, eval with ``total_tokens: auto``) shrunk to seconds, then
-online training and a temperature-0.7 eval. Exits non-zero when a stage fails or speculative decoding differs
+online training, an fp32 eval and a temperature-0.7 eval. Exits non-zero when a stage fails or speculative decoding differs
 from plain greedy decoding. Needs no weights: the tiny target is random, with SmolLM2's tokenizer.
 
     python scripts/cuda_smoke.py                      # the tokenizer from the embedded target

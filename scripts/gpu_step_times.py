@@ -62,8 +62,6 @@ with torch.no_grad():
     if dev == "cuda":
         torch.backends.cuda.enable_cudnn_sdp(False)
         run("no-cudnn-sdp")
-        torch.backends.cuda.enable_cudnn_sdp(True)
         torch.backends.cuda.enable_flash_sdp(False)
         torch.backends.cuda.enable_mem_efficient_sdp(False)
-        torch.backends.cuda.enable_cudnn_sdp(False)
         run("math-sdp")
