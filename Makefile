@@ -3,8 +3,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup setup-vllm demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -18,10 +19,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# vLLM (optional for users, part of the tests): CPU or CUDA build, whichever this machine takes
+$(VLLM_STAMP): $(STAMP) scripts/install_vllm.sh
+	PIP="$(BIN)/pip" sh scripts/install_vllm.sh
+	touch $(VLLM_STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/eagle demo $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)

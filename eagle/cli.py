@@ -10,7 +10,7 @@ import argparse
 import os
 import sys
 
-from eagle.errors import EagleError
+from eagle.errors import CheckFailed, EagleError
 
 STAGES = ("prepare", "collect", "train", "export", "eval", "demo")
 
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--max-new-tokens", type=int, default=None)
             p.add_argument("--temperature", type=float, default=None)
             p.add_argument("--out", default=None, help="report.json path (plots are written beside it)")
+            p.add_argument("--engine", default=None, choices=["hf", "vllm", "both"],
+                           help="hf: our tree loop (default); vllm: the export served by vLLM; both: the two and "
+                           "their parity check (exit status 1 when vLLM accepts far less)")
         if name == "export":
             p.add_argument("--checkpoint", default=None, help="checkpoint dir (default: the run's final head)")
             p.add_argument("--layout", default=None, choices=["eagle3", "eagle1", "speculators"])
@@ -64,6 +67,7 @@ def _flag_overrides(args: argparse.Namespace) -> list[str]:
         ("draft", "eval.draft"),
         ("max_new_tokens", "eval.max_new_tokens"),
         ("temperature", "eval.temperature"),
+        ("engine", "eval.engine"),
         ("checkpoint", "export.checkpoint"),
         ("layout", "export.layout"),
         ("budget", "demo.budget_minutes"),
@@ -92,6 +96,11 @@ def main(argv: list[str] | None = None) -> int:
             stage(cfg, fresh=args.fresh)
         else:
             stage(cfg)
+    except CheckFailed as exc:
+        if args.debug:
+            raise
+        print(f"eagle {args.command}: check failed: {exc}", file=sys.stderr)
+        return 1
     except EagleError as exc:
         if args.debug:
             raise

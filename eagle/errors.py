@@ -3,3 +3,7 @@
 
 class EagleError(Exception):
     """A problem with the user's input or environment; the message names the problem and the fix."""
+
+
+class CheckFailed(EagleError):
+    """A check the user asked for ran and failed (e.g. engine parity): the CLI exits with status 1, not 2."""

@@ -36,8 +36,10 @@ from eagle.exactness import diagnose_mismatch, first_mismatch, mismatch_note, mi
 from eagle.fileio import write_json_atomic
 from eagle.speculate import GenerationResult, plain_generate, speculative_generate
 from eagle.tree import TreeConfig, lookup_length
+from eagle.vllm_engine import VllmConfig
 
-METHODS = ("speculative", "plain", "prompt_lookup")
+METHODS = ("speculative", "chain", "plain", "prompt_lookup")
+ENGINES = ("hf", "vllm", "both")
 MIN_PROMPTS_PER_SET = 3  # what a time-limited evaluation still runs from every set
 
 
@@ -45,6 +47,9 @@ MIN_PROMPTS_PER_SET = 3  # what a time-limited evaluation still runs from every 
 class EvalConfig:
     """The ``eval:`` section of a run config."""
 
+    # hf: our loop (tree drafts); vllm: the exported head served by vLLM (eagle.vllm_eval); both: the two on the
+    # same prompts plus their parity check
+    engine: str = "hf"
     draft: str = "{run_dir}/export"  # exported draft directory (model.safetensors + config.json)
     prompts: list[str] = field(default_factory=lambda: ["dev-chat", "dev-code"])  # named sets or JSONL files
     max_prompts: int | None = None  # per prompts file
@@ -61,6 +66,9 @@ class EvalConfig:
     baseline: bool = True  # plain decoding of the target (speedup, greedy match)
     prompt_lookup: bool = True  # transformers' prompt-lookup decoding, for comparison
     prompt_lookup_num_tokens: int = 10
+    # also decode with a chain of this many drafts (no tree, no lookup branch): what an engine without tree
+    # attention (vLLM, num_speculative_tokens) gets from the same head, shown beside the tree's figures; 0 = off
+    chain_depth: int = 3
     report: str = "{run_dir}/eval/report.json"
     warmup: int = 1  # untimed warm-up generations per method before the timed ones
     # on a CPU: swap the target's and the head's fp32 linear layers for oneDNN ones with prepacked weights
@@ -70,9 +78,13 @@ class EvalConfig:
     # instructions (drafting ~1.6x faster, same acceptance: TUNING.md run 32), else the target's; null = the
     # target's; or float32 / bfloat16 / float16. The target verifies every token, so the output never changes
     draft_dtype: str | None = "auto"
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def validate(self) -> EvalConfig:
         """Raise EagleError naming the bad key and the fix; return self."""
+        if self.engine not in ENGINES:
+            raise EagleError(f"eval.engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        self.vllm.validate("eval.vllm")
         if not self.prompts:
             raise EagleError(
                 "eval.prompts is empty: give prompts files or named sets, e.g. [dev-chat, dev-code]"
@@ -92,6 +104,8 @@ class EvalConfig:
             raise EagleError(
                 f"eval.prompt_lookup_num_tokens must be >= 1, got {self.prompt_lookup_num_tokens}"
             )
+        if not isinstance(self.chain_depth, int) or not 0 <= self.chain_depth <= 16:
+            raise EagleError(f"eval.chain_depth must be 0 (off) to 16, got {self.chain_depth!r}")
         if self.warmup < 0:
             raise EagleError(f"eval.warmup must be >= 0, got {self.warmup}")
         if not self.autotune_candidates or any(c < 2 for c in self.autotune_candidates):
@@ -185,6 +199,7 @@ class PromptRun:
     lookup_time: float = 0.0
     prompt_ids: list[int] | None = None
     mismatch: dict[str, Any] | None = None  # eagle.exactness.diagnose_mismatch, greedy runs that differ
+    chain: GenerationResult | None = None  # speculative decoding with a chain of eval.chain_depth drafts
 
 
 def _sync(device: torch.device) -> None:
@@ -250,6 +265,12 @@ def _run_prompt(
                 max_new_tokens,
                 tree_cfg,
                 generator=_generator(target.device, seed),
+                **sampling,
+            )
+        elif method == "chain":
+            chain = TreeConfig(policy="chain", depth=cfg.chain_depth, lookup_ngram=0)
+            out[method] = speculative_generate(
+                target.model, drafter, ids, max_new_tokens, chain, generator=_generator(target.device, seed),
                 **sampling,
             )
         elif method == "plain":
@@ -330,6 +351,28 @@ def summarize(runs: Sequence[PromptRun], temperature: float) -> dict[str, Any]:
         "prefill_time_s": sum(r.spec.prefill_time for r in runs),
         "baseline_time_s": sum(p.total_time for p in plains) if plains else None,
         "prompt_lookup_time_s": sum(r.lookup_time for r in lookups) if lookups else None,
+        **chain_summary([r.chain for r in runs], base_tps),
+    }
+
+
+def chain_summary(chains: Sequence[GenerationResult | None], base_tps: float | None) -> dict[str, Any]:
+    """The ``chain_*`` report fields: acceptance of a chain of drafts (what an engine without trees gets)."""
+    if not chains or any(c is None for c in chains):
+        return {"chain_acceptance_length_mean": None, "chain_per_depth_acceptance": None,
+                "chain_tokens_per_second": None, "chain_speedup": None}
+    steps = [n for c in chains for n in c.accept_lengths]
+    forwards = sum(c.target_forwards for c in chains)
+    depth = max(len(c.accepted_per_depth) for c in chains)
+    per_depth = [sum(c.accepted_per_depth[d] for c in chains if d < len(c.accepted_per_depth))
+                 for d in range(depth)]
+    tps = _rate(sum(len(c.tokens) for c in chains), sum(c.total_time for c in chains))
+    return {
+        "chain_acceptance_length_mean": sum(steps) / len(steps) if steps else None,
+        "chain_per_depth_acceptance": [n / forwards for n in per_depth] if forwards else [0.0] * depth,
+        "chain_accepted_per_depth": per_depth,
+        "chain_target_forwards": forwards,
+        "chain_tokens_per_second": tps,
+        "chain_speedup": _ratio(tps, base_tps),
     }
 
 
@@ -350,6 +393,11 @@ def _prompt_record(r: PromptRun) -> dict[str, Any]:
         if r.mismatch is not None:
             for key in ("logit_gap", "near_tie", "plain_token", "spec_token"):
                 rec[f"first_mismatch_{key}"] = r.mismatch[key]
+    if r.chain is not None:
+        rec["chain_acceptance_length_mean"] = r.chain.mean_accept_length if r.chain.accept_lengths else None
+        rec["chain_time_s"] = r.chain.total_time
+        if r.plain is not None:
+            rec["chain_first_mismatch"] = first_mismatch(r.chain.tokens, r.plain.tokens)
     if r.lookup_tokens is not None:
         rec["prompt_lookup_new_tokens"] = len(r.lookup_tokens)
         rec["prompt_lookup_time_s"] = r.lookup_time
@@ -453,6 +501,7 @@ def print_report_table(report: dict[str, Any], console: Any = None) -> None:
         "n",
         "tau\nmean",
         "tau\nmedian",
+        "tau\nchain",
         "tok/s\nspec",
         "tok/s\nplain",
         "tok/s\nPLD",
@@ -468,6 +517,7 @@ def print_report_table(report: dict[str, Any], console: Any = None) -> None:
             str(s["num_prompts"]),
             _fmt(s["acceptance_length_mean"]),
             _fmt(s["acceptance_length_median"]),
+            _fmt(s.get("chain_acceptance_length_mean")),
             _fmt(s["tokens_per_second"], ".1f"),
             _fmt(s["baseline_tokens_per_second"], ".1f"),
             _fmt(s["prompt_lookup_tokens_per_second"], ".1f"),
@@ -572,8 +622,11 @@ def evaluate(
         autotune = tuned.to_dict()
         autotune["max_tree_nodes"] = max_tree_nodes(tree_cfg.depth, tree_cfg.top_k)
 
+    # a chain of eval.chain_depth that is the tree itself needs no second run (its result is reused below)
+    chain_is_tree = tree_cfg == TreeConfig(policy="chain", depth=cfg.chain_depth, lookup_ngram=0).validate()
     methods = (
         ["speculative"]
+        + (["chain"] if cfg.chain_depth and not chain_is_tree else [])
         + (["plain"] if cfg.baseline else [])
         + (["prompt_lookup"] if cfg.prompt_lookup else [])
     )
@@ -619,6 +672,7 @@ def evaluate(
                     lookup[0] if lookup else None,
                     lookup[1] if lookup else 0.0,
                     prompt_ids=ids,
+                    chain=res["speculative"] if cfg.chain_depth and chain_is_tree else res.get("chain"),
                 )
             )
             prompt_time += deadline.elapsed() - t0
@@ -646,6 +700,7 @@ def evaluate(
             "run (the report counts the prompts that were)[/]"
         )
     report: dict[str, Any] = {
+        "engine": "hf",
         "target": target.name,
         "target_fingerprint": target.fingerprint,
         "head": head_path,
@@ -671,6 +726,7 @@ def evaluate(
             "baseline": cfg.baseline,
             "prompt_lookup": cfg.prompt_lookup,
             "prompt_lookup_num_tokens": cfg.prompt_lookup_num_tokens,
+            "chain_depth": cfg.chain_depth,
             "eos_token_ids": eos,
             "cpu_prepacked_layers": prepacked,
             "draft_dtype": draft_dtype,

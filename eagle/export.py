@@ -80,12 +80,13 @@ from torch import nn
 from eagle.errors import EagleError
 from eagle.fileio import fsync_dir
 from eagle.heads import HeadConfig, build_head
+from eagle.model_card import CARD_FILE, render_card
 
 LAYOUTS = ("eagle3", "eagle1", "speculators")
 MODEL_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 HEAD_FILE = "eagle_head.json"
-EXPORT_FILES = frozenset({MODEL_FILE, CONFIG_FILE, HEAD_FILE})
+EXPORT_FILES = frozenset({MODEL_FILE, CONFIG_FILE, HEAD_FILE})  # and our model card (eagle.model_card)
 HEAD_FILE_FORMAT = 1
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -435,8 +436,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _replaceable(out: Path) -> bool:
-    """An existing path we may replace: an empty folder or an earlier export (nothing but our files)."""
-    return out.is_dir() and all(p.name in EXPORT_FILES for p in out.iterdir())
+    """An existing path we may replace: an empty folder or an earlier export (nothing but our files: the
+    exported files and a model card we wrote)."""
+    from eagle.model_card import CARD_FILE, is_our_card
+
+    return out.is_dir() and all(
+        p.name in EXPORT_FILES or (p.name == CARD_FILE and is_our_card(p)) for p in out.iterdir()
+    )
 
 
 def _write_atomically(out: Path, write: Callable[[Path], None]) -> None:
@@ -491,6 +497,8 @@ def export_head(
     target: Any = None,
     speculative_tokens: int = 3,
     verifier_name: str | None = None,
+    target_info: dict[str, Any] | None = None,
+    training: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``model.safetensors`` + ``config.json`` (+ our ``eagle_head.json``) of ``layout`` to ``out_dir``.
 
@@ -500,7 +508,9 @@ def export_head(
     head's recorded target first, and supplies ``target_config`` when that is not given. The folder appears
     complete or not at all; an existing export there is replaced, any other existing folder is refused.
     ``speculative_tokens`` / ``verifier_name`` go into the speculators config (default: the head's target).
-    Returns the output path.
+    ``target_info`` (:func:`eagle.targets.provenance`: the exact target the head was trained against) is recorded
+    in config.json (``eagle_target``) and eagle_head.json (``target``), and with ``training`` (what the run
+    recorded) it makes the model card, README.md. Returns the output path.
     """
     _check_layout(layout)
     torch_dtype = _parse_dtype(dtype)
@@ -516,13 +526,17 @@ def export_head(
     dtype_name = _dtype_name(out_dtype)
     config = build_config(cfg, layout, dtype_name, target_config, speculative_tokens, verifier_name)
     head_info = {"format": HEAD_FILE_FORMAT, "layout": layout, "dtype": dtype_name, "head": cfg.to_dict()}
+    target_info = target_info or {"name": cfg.target_name, "fingerprint": cfg.target_fingerprint}
+    config["eagle_target"] = head_info["target"] = target_info
+    out = Path(out_dir)
+    card = render_card(cfg.to_dict(), layout, dtype_name, target_info, str(out.resolve()), training)
 
     def write(folder: Path) -> None:
         save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
         _write_json(folder / CONFIG_FILE, config)
         _write_json(folder / HEAD_FILE, head_info)
+        (folder / CARD_FILE).write_text(card, encoding="utf-8")
 
-    out = Path(out_dir)
     _write_atomically(out, write)
     return out
 

@@ -31,7 +31,7 @@ from eagle.cache import gather_cache
 from eagle.drafter import Drafter
 from eagle.errors import EagleError
 from eagle.tree import DraftTree, TreeConfig, deepest_node, graft_chain, lookup_continuation, lookup_length
-from eagle.verify import LazyRows, logits_to_probs, verify_greedy, verify_sampling
+from eagle.verify import Decisions, LazyRows, as_decisions, logits_to_probs, verify_greedy, verify_sampling
 
 _MASKABLE_ATTENTION = ("eager", "sdpa")
 
@@ -151,12 +151,18 @@ def _verify_mask(model: torch.nn.Module, tree: DraftTree, prefix_len: int, dtype
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def _first_token(logits: torch.Tensor, temperature: float, top_p: float, top_k: int, generator) -> int:
+def _first_token(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    top_k: int,
+    generator: torch.Generator | Decisions | None,
+) -> int:
     if temperature <= 0:
         return int(logits.argmax(-1))
     probs = logits_to_probs(logits, temperature, top_p, top_k)
-    device = generator.device if generator is not None else torch.device("cpu")
-    return int(torch.multinomial(probs.to(device, torch.float64), 1, generator=generator))
+    decide = as_decisions(generator)
+    return decide.categorical(probs.to(decide.device, torch.float64))
 
 
 class _Stopper:
@@ -317,13 +323,15 @@ def speculative_generate(
     eos_token_ids: Iterable[int] = (),
     stop_strings: Sequence[str] = (),
     tokenizer: Any = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Decisions | None = None,
     lazy_logits: bool = True,
 ) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` [1, T] with tree speculative decoding.
 
     At temperature 0 the output equals the target's own greedy decoding; above it, it is distributed exactly as
     sampling from the target with the same temperature / top-p / top-k warping (see eagle.verify).
+    Every random choice (the first token, each accept / reject, each residual sample) goes through
+    ``generator``: a torch.Generator, or any :class:`eagle.verify.Decisions` (tests script the choices).
     ``lazy_logits``: run the target's lm_head only for the tree nodes verification visits, where the target
     allows it (module docstring); False computes every node's logits in the verification forward.
     """
@@ -424,11 +432,12 @@ def plain_generate(
     eos_token_ids: Iterable[int] = (),
     stop_strings: Sequence[str] = (),
     tokenizer: Any = None,
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Decisions | None = None,
 ) -> GenerationResult:
     """The baseline: one target forward per new token with a KV cache (same stopping rules and result type).
 
-    At temperature 0 this equals ``model.generate(do_sample=False)``.
+    At temperature 0 this equals ``model.generate(do_sample=False)``. ``generator``: as in
+    :func:`speculative_generate`.
     """
     _check_inputs(model, input_ids, max_new_tokens)
     stopper = _Stopper(max_new_tokens, eos_token_ids, stop_strings, tokenizer)

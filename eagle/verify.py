@@ -21,10 +21,54 @@ the draft proposed -- the output distribution equals plain sampling from the tar
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from eagle.tree import DraftTree
+
+
+class Decisions(Protocol):
+    """Where every random choice of sampling and verification is made (the seam tests enumerate through).
+
+    The product code states each choice and its probabilities; a source only makes it.
+    :class:`TorchDecisions` draws with a ``torch.Generator`` (what generation uses); a test can replay
+    scripted choices instead and read the probabilities the product code passed, to compute an output's exact
+    probability (tests/test_lossless_exact.py). ``device``: where the callers put the tensors they pass.
+    """
+
+    device: torch.device
+
+    def accept(self, weight: torch.Tensor, total: torch.Tensor) -> bool:
+        """A Bernoulli draw, True with probability ``weight / total`` (0-d float64, 0 <= weight <= total)."""
+
+    def categorical(self, weights: torch.Tensor) -> int:
+        """An index drawn with probability proportional to ``weights`` [V] (float64, unnormalised)."""
+
+
+class TorchDecisions:
+    """The default :class:`Decisions`: draws from ``generator`` (None: torch's global one) on its device,
+    with the same calls and the same outputs per seed as before the seam existed."""
+
+    def __init__(self, generator: torch.Generator | None = None):
+        self.generator = generator
+        self.device = generator.device if generator is not None else torch.device("cpu")
+
+    def accept(self, weight: torch.Tensor, total: torch.Tensor) -> bool:
+        """True iff ``u * total < weight`` for u uniform in [0, 1): probability ``weight / total``."""
+        u = torch.rand((), generator=self.generator, device=self.device, dtype=torch.float64)
+        return bool(u * total < weight)
+
+    def categorical(self, weights: torch.Tensor) -> int:
+        """``torch.multinomial`` over ``weights``."""
+        return int(torch.multinomial(weights, 1, generator=self.generator))
+
+
+def as_decisions(source: torch.Generator | Decisions | None) -> Decisions:
+    """A generator (or None) wrapped as :class:`TorchDecisions`; a :class:`Decisions` as it is."""
+    if source is None or isinstance(source, torch.Generator):
+        return TorchDecisions(source)
+    return source
 
 
 class LazyRows:
@@ -92,25 +136,26 @@ def verify_greedy(tree: DraftTree, target_logits: torch.Tensor | LazyRows) -> tu
 
 
 def verify_sampling(
-    tree: DraftTree, target_probs: torch.Tensor | LazyRows, generator: torch.Generator | None = None
+    tree: DraftTree,
+    target_probs: torch.Tensor | LazyRows,
+    generator: torch.Generator | Decisions | None = None,
 ) -> tuple[torch.Tensor, int]:
     """Multi-candidate rejection sampling over a tree of deterministic (top-k) drafts; exactly lossless.
 
     ``target_probs`` [N, V] (or a :class:`LazyRows`, read at the visited nodes only): the target's warped
-    distributions (see :func:`logits_to_probs`). Random numbers come from ``generator`` (its device is used for
-    the arithmetic). Returns (accepted node indices incl. the root, the next token).
+    distributions (see :func:`logits_to_probs`). Random choices go through ``generator``: a torch.Generator
+    (its device is used for the arithmetic) or any :class:`Decisions`. Returns (accepted node indices incl. the
+    root, the next token).
     """
-    device = generator.device if generator is not None else torch.device("cpu")
+    decide = as_decisions(generator)
     tokens = tree.tokens.tolist()
     node, accepted = 0, [0]
     while True:
-        residual = target_probs[node].to(device=device, dtype=torch.float64).clone()
+        residual = target_probs[node].to(device=decide.device, dtype=torch.float64).clone()
         moved = False
         for child in tree.children(node):
             x = tokens[child]
-            mass = residual.sum()
-            u = torch.rand((), generator=generator, device=device, dtype=torch.float64)
-            if bool(u * mass < residual[x]):
+            if decide.accept(residual[x], residual.sum()):
                 node, moved = child, True
                 accepted.append(child)
                 break
@@ -118,6 +163,5 @@ def verify_sampling(
         if not moved:
             # only reachable through rounding; fall back to the full distribution
             if not bool(residual.sum() > 0):
-                residual = target_probs[node].to(device=device, dtype=torch.float64)
-            nxt = torch.multinomial(residual, 1, generator=generator)
-            return torch.tensor(accepted, dtype=torch.long), int(nxt)
+                residual = target_probs[node].to(device=decide.device, dtype=torch.float64)
+            return torch.tensor(accepted, dtype=torch.long), decide.categorical(residual)

@@ -64,3 +64,35 @@ def tok():
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
     return tokenizer
+
+
+@pytest.fixture(scope="session")
+def smollm2_head(tmp_path_factory):
+    """An EAGLE-3 head trained here in a couple of minutes against the embedded SmolLM2, the demo's recipe in
+    small: 200 chat and code prompts answered by the fp32 target (its features kept as it answers), 160 steps. It
+    accepts part of its drafts, not all. Returns the run's config (``export.output_dir`` is its EAGLE-3 export)."""
+    from train import pipeline
+    from train.config import load_config
+
+    run_dir = tmp_path_factory.mktemp("smollm2-head")
+    cfg = load_config(None, [
+        f"run_dir={run_dir}", "data.sources=[chitchat:100, stdlib-code:100]", "data.max_conversations=200",
+        "data.regen_max_new_tokens=64", "data.regen_batch_size=50", "data.max_length=256",
+        "head.draft_vocab_size=1024",
+        "train.epochs=100", "train.max_steps=160", "train.batch_size=8", "train.eval_every=100000",
+        "train.save_every=100000", "train.report_to=[none]", "train.progress=false",
+    ])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the one fixture worth both cores
+    try:
+        pipeline.run_prepare(cfg)
+        pipeline.run_collect(cfg)
+        pipeline.run_train(cfg)
+        pipeline.run_export(cfg)
+    finally:
+        torch.set_num_threads(threads)
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(True)  # later tests build their own Accelerator, with other settings
+        GradientState._reset_state()
+    return cfg

@@ -90,7 +90,7 @@ def _assert_same_state(a: torch.nn.Module, b: torch.nn.Module) -> None:
 def test_eagle3_round_trip_is_bit_exact(tmp_path, target, layout):
     head = _head(target)
     out = export_head(head, tmp_path / "draft", layout=layout, dtype="float32", target=target)
-    assert sorted(os.listdir(out)) == ["config.json", "eagle_head.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == ["README.md", "config.json", "eagle_head.json", "model.safetensors"]
     loaded = load_exported_head(out, target)
     assert loaded.config == head.config
     _assert_same_state(head, loaded)
@@ -357,3 +357,44 @@ def test_kind_and_layout_must_agree(tmp_path, target):
     with pytest.raises(EagleError, match="unknown export layout"):
         export_head(_head(target), tmp_path / "c", layout="medusa")
     assert not any(tmp_path.iterdir())
+
+
+def test_export_records_its_target_and_writes_a_model_card(tmp_path, target):
+    info = {"name": "tiny-llama-a", "path": "/models/tiny", "fingerprint": target.fingerprint, "dtype": "bfloat16",
+            "weights": "a dequantized GGUF", "original": "org/tiny"}
+    training = {"training steps": 30, "training time": "1.5 min"}
+    out = export_head(_head(target), tmp_path / "draft", target=target, target_info=info, training=training)
+    assert json.loads((out / "config.json").read_text())["eagle_target"] == info
+    assert json.loads((out / "eagle_head.json").read_text())["target"] == info
+    card = (out / "README.md").read_text()
+    for text in ("/models/tiny", target.fingerprint, "a dequantized GGUF", "org/tiny", "1.5 min",
+                 "vllm serve /models/tiny", '"method": "eagle3"', "--speculative-algorithm EAGLE3",
+                 "Not evaluated yet"):
+        assert text in card, text
+    # re-exporting over our own card works; the card is rewritten
+    again = export_head(_head(target), tmp_path / "draft", target=target, target_info={**info, "dtype": "float32"})
+    assert "float32" in (again / "README.md").read_text()
+    # a folder with someone else's README is not ours to replace
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "README.md").write_text("# my notes\n")
+    with pytest.raises(EagleError, match="not an exported draft directory"):
+        export_head(_head(target), theirs, target=target)
+    assert (theirs / "README.md").read_text() == "# my notes\n"
+
+
+def test_eval_fills_in_the_cards_evaluation_section(tmp_path, target):
+    from eagle.model_card import update_eval_section
+
+    out = export_head(_head(target), tmp_path / "draft", target=target)
+    section = {"num_prompts": 4, "acceptance_length_mean": 2.5, "chain_acceptance_length_mean": 1.75,
+               "speedup": 1.4, "greedy_match_rate": 1.0}
+    report = {"engine": "hf", "device": "cpu", "dtype": "float32", "date": "2026-12-04T00:00:00",
+              "settings": {"max_new_tokens": 32, "temperature": 0.0}, "tree": {"policy": "dynamic", "depth": 5},
+              "prompt_sets": {"dev-chat": section}, "overall": section}
+    assert update_eval_section(out, report)
+    card = (out / "README.md").read_text()
+    assert "| dev-chat | 4 | 2.50 | 1.75 | 1.40x | 100% |" in card and "Not evaluated yet" not in card
+    assert card.count("## Serving") == 1
+    (out / "README.md").write_text("# someone else's card\n")
+    assert not update_eval_section(out, report)  # not ours: left alone

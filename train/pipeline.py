@@ -86,7 +86,7 @@ def run_export(cfg: RunConfig) -> Path:
     """``eagle export``: a trained head -> ``model.safetensors`` + ``config.json`` in the chosen layout."""
     from eagle.export import export_head
     from eagle.heads import HeadConfig, build_head
-    from eagle.targets import is_embedded, load_target
+    from eagle.targets import load_target, provenance
     from train.checkpoint import load_head_files
 
     _setup_logging()
@@ -101,7 +101,7 @@ def run_export(cfg: RunConfig) -> Path:
     head.load_state_dict(state, strict=True)
     target = load_target(cfg.target.name, dtype="float32", device="cpu",
                          trust_remote_code=cfg.target.trust_remote_code)
-    verifier = "HuggingFaceTB/SmolLM2-135M-Instruct" if is_embedded(cfg.target.name) else cfg.target.name
+    info = provenance(cfg.target.name, target, dtype=cfg.collect.target_dtype or cfg.target.dtype)
     out = export_head(
         head,
         cfg.export.output_dir,
@@ -109,10 +109,43 @@ def run_export(cfg: RunConfig) -> Path:
         dtype=cfg.export.dtype,
         target_config=target.config,
         target=target,
-        verifier_name=verifier,
+        speculative_tokens=cfg.eval.vllm.num_speculative_tokens,
+        verifier_name=info["path"],  # vLLM serves a speculators folder with this target: it must load as is
+        target_info=info,
+        training=training_summary(cfg, src),
     )
     _console().print(f"[bold]export[/]: {cfg.export.layout} layout written to {out}")
     return out
+
+
+def training_summary(cfg: RunConfig, head_dir: Path) -> dict[str, Any]:
+    """What the model card says of the data and training, from the run's own records (missing ones left out)."""
+    out: dict[str, Any] = {}
+    meta = _read_json(Path(cfg.data.output_dir) / "prepare_meta.json")
+    if meta:
+        out["data sources"] = ", ".join(cfg.data.sources)
+        out["conversations (train / val)"] = f"{meta['counts'].get('train')} / {meta['counts'].get('val')}"
+        out["answers written by the target"] = "yes (regenerated)" if meta.get("regenerate") else "no"
+        tokens = meta.get("tokens") or {}
+        out["tokens (train)"] = f"{tokens.get('train', 0):,}"
+    info = _read_json(head_dir / "train_info.json")
+    if info:
+        out["training steps"] = info.get("global_step")
+        if info.get("epochs") is not None:
+            out["epochs"] = f"{info['epochs']:.1f}"
+        if info.get("seconds") is not None:
+            out["training time"] = f"{info['seconds'] / 60:.1f} min"
+        acc = {k: v for k, v in (info.get("eval") or {}).items() if k.startswith("val_acc_")}
+        if acc:
+            out["validation top-1 per TTT step"] = " / ".join(f"{v:.3f}" for _, v in sorted(acc.items()))
+    return out
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
 
 
 def run_eval(cfg: RunConfig) -> dict[str, Any]:
@@ -127,9 +160,24 @@ def run_eval(cfg: RunConfig) -> dict[str, Any]:
             f"no exported draft head at {draft} (config.json missing): train and export one "
             "(`eagle train`, `eagle export`) or pass --draft <dir>"
         )
-    target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device,
-                         trust_remote_code=cfg.target.trust_remote_code)
-    return evaluate(cfg.eval, target)
+    if cfg.eval.engine == "vllm":
+        from eagle.vllm_eval import evaluate_vllm
+
+        report = evaluate_vllm(cfg.eval, cfg.target.name, cfg.target.dtype, cfg.target.trust_remote_code)
+    else:
+        target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device,
+                             trust_remote_code=cfg.target.trust_remote_code)
+        if cfg.eval.engine == "both":
+            from eagle.vllm_eval import evaluate_both
+
+            report = evaluate_both(cfg.eval, target, cfg.target.name)
+        else:
+            report = evaluate(cfg.eval, target)
+    from eagle.model_card import update_eval_section
+
+    if update_eval_section(cfg.eval.draft, report):
+        _console().print(f"eval: the model card {draft / 'README.md'} shows this evaluation")
+    return report
 
 
 # -------------------------------------------------------------------------------------------------- demo

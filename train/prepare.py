@@ -40,6 +40,8 @@ import torch
 
 from eagle.deadline import Deadline, check_minutes
 from eagle.errors import EagleError
+from eagle.targets import resolve_target
+from eagle.vllm_engine import VllmConfig
 from train.collect import STORAGE_DTYPES, CollectConfig
 from train.regen_features import CaptureSpec, FeatureCapture, capture_dir, write_batch
 from train.sources import Conversation, Message, load_source, parse_source_spec, source_stamp
@@ -49,6 +51,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 ON_OVERLONG = ("truncate", "skip", "error")
 REGEN_DTYPES = ("float32", "bfloat16", "float16")
+REGEN_ENGINES = ("hf", "vllm")
 
 
 @dataclass
@@ -80,6 +83,10 @@ class DataConfig:
     # `eagle collect` copies them instead of running the target over the data again (train/regen_features.py);
     # costs the features' disk space twice until the regeneration folder is deleted
     capture_features: bool = False
+    # who writes the answers: hf (our batched loop, which can keep the features) or vllm (its continuous
+    # batching; eagle collect then computes the features); data.vllm: tensor / data parallel sizes on GPUs
+    regen_engine: str = "hf"
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def validate(self) -> DataConfig:
         """Raise EagleError naming the bad field; return self when all is well."""
@@ -122,6 +129,9 @@ class DataConfig:
         if self.regen_dtype is not None and self.regen_dtype not in REGEN_DTYPES:
             raise bad("regen_dtype", f"null (the target's own dtype) or one of {list(REGEN_DTYPES)}")
         check_minutes(self.regen_max_minutes, "data.regen_max_minutes")
+        if self.regen_engine not in REGEN_ENGINES:
+            raise bad("regen_engine", f"one of {list(REGEN_ENGINES)}")
+        self.vllm.validate("data.vllm")
         if self.on_overlong not in ON_OVERLONG:
             raise bad("on_overlong", f"one of {list(ON_OVERLONG)}")
         return self
@@ -399,6 +409,7 @@ def regenerate(
     partial_path: Path | None = None,
     deadline: Deadline | None = None,
     capture: tuple[Path, CaptureSpec] | None = None,
+    engine_target: tuple[str, str] | None = None,
 ) -> list[Conversation]:
     """Replace assistant turns by the model's own answers, turn by turn, in length-sorted batches.
 
@@ -413,6 +424,9 @@ def regenerate(
 
     ``capture`` = (folder, spec): keep the target's hidden states of every generated batch there
     (``train/regen_features.py``), each batch's file written before its answers are logged.
+
+    With ``cfg.regen_engine`` vllm, ``engine_target`` = (target folder, dtype) is what vLLM loads: it answers
+    each turn's prompts in the same random batch order, and the batches it had no time for are cut alike.
     """
     from tqdm.auto import tqdm
 
@@ -458,10 +472,17 @@ def regenerate(
             # random subset of the conversations rather than the shortest ones
             shuffled = list(range(len(batches)))
             random.Random(cfg.seed * 1_000_003 + turn).shuffle(shuffled)
+            if cfg.regen_engine == "vllm":  # answers every prompt it has time for; the loop below cuts the rest
+                keyed = [({"id": convs[items[j][0]].id, "turn": turn}, prompts[j])
+                         for b in shuffled for j in batches[b] if (convs[items[j][0]].id, turn) not in done]
+                if sink:
+                    sink.flush()
+                done.update(_vllm_answers(keyed, tokenizer, cfg, engine_target, partial_path, deadline, bar))
             for b in shuffled:
                 batch = batches[b]
                 missing = any((convs[items[j][0]].id, turn) not in done for j in batch)
-                if missing and generated and deadline is not None and not deadline.fits(spent / generated):
+                out_of_time = generated and deadline is not None and not deadline.fits(spent / generated)
+                if missing and (out_of_time or cfg.regen_engine == "vllm"):
                     for j in batch:  # out of time: this turn and the rest of the conversation go
                         ci, mi = items[j]
                         del convs[ci].messages[mi:]
@@ -517,6 +538,47 @@ def regenerate(
     return [c for c in convs if any(m["role"] == "assistant" for m in c.messages)]
 
 
+def _vllm_answers(
+    keyed: list[tuple[dict[str, Any], list[int]]],
+    tokenizer: Any,
+    cfg: DataConfig,
+    engine_target: tuple[str, str] | None,
+    partial_path: Path | None,
+    deadline: Deadline | None,
+    bar: Any,
+) -> dict[tuple[str, int], str]:
+    """Answers for ``keyed`` (key, prompt ids) written by vLLM in chunks of ``regen_batch_size`` prompts until
+    the deadline; appended to ``partial_path`` (resumable) and returned by (conversation id, turn)."""
+    import tempfile
+
+    from eagle.vllm_engine import EngineSpec, Job, generate_answers
+
+    if not keyed:
+        return {}
+    if engine_target is None:
+        raise EagleError("data.regen_engine=vllm needs the target's folder and dtype (engine_target)")
+    target_dir, dtype = engine_target
+    answers = partial_path or Path(tempfile.mkdtemp(prefix="eagle-regen-")) / "answers.jsonl"
+    longest = max(len(p) for _, p in keyed)
+    job = Job(
+        kind="generate", target=target_dir, dtype=cfg.regen_dtype or dtype, engines=[EngineSpec("regen")],
+        prompts=[p for _, p in keyed], keys=[k for k, _ in keyed], max_new_tokens=cfg.regen_max_new_tokens,
+        stop_token_ids=sorted(end_of_turn_ids(tokenizer)), max_model_len=longest + cfg.regen_max_new_tokens + 8,
+        vllm=cfg.vllm, seed=cfg.seed, temperature=float(cfg.regen_temperature), top_p=float(cfg.regen_top_p),
+        answers_path=str(answers), chunk=cfg.regen_batch_size,
+        time_limit_s=deadline.remaining() if deadline is not None and deadline.limited else None,
+    )
+    def progress(line: str) -> None:  # the bar itself moves as the answers are taken in, after the worker
+        if line.startswith("vllm: ") and " answered" in line:
+            bar.set_postfix_str(f"vLLM {line.split()[1]}")
+
+    result = generate_answers(job, "regeneration with vLLM (data.regen_engine=vllm)", progress)
+    log.info("regeneration (vLLM): %d answers, %d tokens in %.0f s (+%.0f s loading)", result["answered"],
+             result["tokens"], result["generate_seconds"], result["load_seconds"])
+    wanted = {(k["id"], k["turn"]) for k, _ in keyed}
+    return {key: text for key, text in _read_partial(answers).items() if key in wanted}
+
+
 # ------------------------------------------------------------------------------------------- pipeline
 
 
@@ -566,7 +628,7 @@ def _load_models(cfg: DataConfig, target: Any, tokenizer: Any, model: Any) -> tu
 
 
 # settings that say where or how long to work, not what to produce
-_NOT_IDENTITY = ("output_dir", "regen_max_minutes")
+_NOT_IDENTITY = ("output_dir", "regen_max_minutes", "vllm")
 
 
 def _config_hash(cfg: DataConfig, target: str, tokenizer: Any, model_fp: str | None) -> str:
@@ -767,21 +829,34 @@ def prepare(
         regen_key = _regen_key(cfg, name, tokenizer, model_fp)
         partial = out / f"regen-{regen_key}.jsonl"
         out.mkdir(parents=True, exist_ok=True)
-        converts = cfg.regen_dtype is not None and _model_dtype(model) != getattr(torch, cfg.regen_dtype)
-        capture = _capture_plan(cfg, collect, model, model_fp, out, regen_key)
+        if cfg.regen_engine == "vllm":
+            return_dtype = str(_model_dtype(model)).removeprefix("torch.")
+            if cfg.capture_features:
+                log.warning("data.capture_features: vLLM keeps no hidden states; `eagle collect` computes them")
+            del model  # vLLM loads the target itself, in its worker process
+            engine_target = (resolve_target(name), return_dtype)
+            selected = len(conversations)
+            conversations = regenerate(conversations, tokenizer, None, cfg, partial, deadline,
+                                       engine_target=engine_target)
+            unanswered = selected - len(conversations)
+            model = None
+        converts = (model is not None and cfg.regen_dtype is not None
+                    and _model_dtype(model) != getattr(torch, cfg.regen_dtype))
+        capture = _capture_plan(cfg, collect, model, model_fp, out, regen_key) if model is not None else None
         if converts:
             if not loads_model:
                 model = copy.deepcopy(model)  # the caller's model stays as it was
             model = model.to(getattr(torch, cfg.regen_dtype))
             loads_model = True
-        if loads_model and getattr(target_name, "cpu_prepack", True):
+        if model is not None and loads_model and getattr(target_name, "cpu_prepack", True):
             from eagle.targets import prepack_for_cpu
 
             # our own copy, fingerprinted above: regeneration ~1.5x faster on a CPU (fp32), ~2x more in bf16
             prepack_for_cpu(model, dtypes=(torch.float32, torch.bfloat16))
-        selected = len(conversations)
-        conversations = regenerate(conversations, tokenizer, model, cfg, partial, deadline, capture)
-        unanswered = selected - len(conversations)
+        if model is not None:
+            selected = len(conversations)
+            conversations = regenerate(conversations, tokenizer, model, cfg, partial, deadline, capture)
+            unanswered = selected - len(conversations)
         if capture is not None:
             captured = {"dir": capture[0].name, "spec": dataclasses.asdict(capture[1])}
     rows, dropped = _encode_all(conversations, tokenizer, cfg)

@@ -50,6 +50,9 @@ class HeadSpec:
     draft_vocab_size: int = 8192  # eagle3 only: most frequent loss-masked training tokens
     aux_layers: list[int] | None = None  # eagle3: None = the features' layers (offline) or the target default
     init_from: str | None = None  # a head folder (model.safetensors + head_config.json) to start from
+    # eagle1 only: EAGLE-1/2 (the EAGLE repository, SGLang) give fc a bias; vLLM's EAGLE-1 model has none and
+    # drops it silently, so train without one for vLLM
+    fc_bias: bool = True
 
     def validate(self) -> HeadSpec:
         """Raise EagleError on values that cannot work; returns self."""
@@ -715,6 +718,8 @@ class _Run:
             target_name=target.name,
             target_fingerprint=target.fingerprint,
         )
+        if spec.kind == "eagle1":
+            hcfg = self.hcfg = dataclasses.replace(hcfg, fc_bias=spec.fc_bias)
         resume_weights = init_state = None
         if resume_path is not None:
             resume_weights, saved_cfg = ck.load_head_files(resume_path)
@@ -1108,6 +1113,8 @@ class _Run:
                     "checkpoint": self.last_ckpt.name,
                     "eval": self.eval_metrics,
                     "time_cut": self.time_cut,
+                    "epochs": step / max(self.steps_per_epoch, 1),
+                    "seconds": round(self.deadline.elapsed(), 1),  # this process's run, loading included
                 }
                 ck.write_json_atomic(info, tmp / "train_info.json")
             ck.replace_dir(tmp, final_dir)

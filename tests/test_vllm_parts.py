@@ -1,0 +1,132 @@
+"""The parts of the vLLM integration that need no vLLM: counts, parity arithmetic, configs, answer files."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eagle.errors import EagleError
+from eagle.vllm_engine import VllmConfig, accepted_per_position, merge_parts, speculative_config
+from eagle.vllm_eval import SUSPECT_FIELDS, parity, parity_message
+
+
+def _reports(hf: list[int], hf_steps: int, vllm: list[int], vllm_steps: int,
+             hf_taus: tuple[float, ...] = (), vllm_taus: tuple[float, ...] = ()) -> tuple[dict, dict]:
+    hf_report = {"overall": {"chain_accepted_per_depth": hf, "chain_target_forwards": hf_steps,
+                             "chain_acceptance_length_mean": 1 + sum(hf) / max(hf_steps, 1)},
+                 "prompts": [{"set": "s", "id": str(i), "chain_acceptance_length_mean": t}
+                             for i, t in enumerate(hf_taus)]}
+    vllm_report = {"overall": {"target_forwards": vllm_steps, "per_depth_acceptance": [n / vllm_steps for n in vllm],
+                               "acceptance_length_mean": 1 + sum(vllm) / vllm_steps},
+                   "prompts": [{"set": "s", "id": str(i), "acceptance_length_mean": t}
+                               for i, t in enumerate(vllm_taus)]}
+    return hf_report, vllm_report
+
+
+def test_accepted_per_position_from_vllms_histogram():
+    # 5 steps accepted nothing, 3 accepted one draft, 2 accepted all three
+    assert accepted_per_position([5, 3, 0, 2]) == [5, 2, 2]
+    assert accepted_per_position([7]) == []
+
+
+def test_parity_passes_within_noise_and_fails_far_below():
+    same = parity(*_reports([300, 180, 100], 600, [290, 170, 104], 590))
+    assert same["ok"] and [r["ok"] for r in same["positions"]] == [True, True, True]
+    # vLLM above the HF loop is never a layout bug
+    assert parity(*_reports([100, 50, 20], 600, [300, 200, 100], 600))["ok"]
+    broken = parity(*_reports([300, 180, 100], 600, [120, 40, 10], 600))
+    assert not broken["ok"] and all(not r["ok"] for r in broken["positions"])
+    message = parity_message(broken, "runs/x/export")
+    assert "runs/x/export" in message and "position 1" in message
+    for field in SUSPECT_FIELDS:
+        assert field in message
+
+
+def test_parity_tolerance_is_the_binomial_standard_error():
+    # p = 0.5 on 400 steps each: SE of the difference = sqrt(0.25 * 2 / 400) = 0.0354; 4 SE = 0.141
+    hf = 200
+    assert parity(*_reports([hf], 400, [hf - 50], 400))["ok"]  # 0.125 below: 3.5 SE
+    assert not parity(*_reports([hf], 400, [hf - 62], 400))["ok"]  # 0.155 below: 4.4 SE
+    assert parity(*_reports([0], 50, [0], 50))["ok"]  # nothing accepted by either: no evidence of a bug
+    with pytest.raises(EagleError, match="speculative steps"):
+        parity(*_reports([0], 0, [0], 10))
+
+
+def test_parity_pairs_the_prompts_both_engines_decoded():
+    taus = tuple(1.5 + 0.05 * i for i in range(14))
+    # the same rates overall, but vLLM lower on 12 prompts and higher on none: a subtle layout bug
+    lower = tuple(t - 0.04 for t in taus[:12]) + taus[12:]
+    result = parity(*_reports([300], 600, [300], 600, taus, lower))
+    assert result["positions"][0]["ok"] and not result["paired"]["ok"] and not result["ok"]
+    assert {k: result["paired"][k] for k in ("worse", "better", "ties", "p", "ok")} == {
+        "worse": 12, "better": 0, "ties": 2, "p": 0.5**12, "ok": False}
+    assert "lower tau on 12 prompts, higher on 0" in parity_message(result, "d")
+    # bf16-like noise: lower on some prompts, higher on others, equal on the rest
+    noisy = tuple(t + (0.03 if i % 3 == 0 else -0.03 if i % 3 == 1 else 0.0) for i, t in enumerate(taus))
+    assert parity(*_reports([300], 600, [300], 600, taus, noisy))["ok"]
+    # in float32 a correct export ties everywhere; ties on only half the prompts fail there, not in bf16
+    hf, vllm = _reports([300], 600, [300], 600, taus, taus)
+    assert parity(hf, vllm)["paired"]["agreement"] == 1.0
+    hf, vllm = _reports([300], 600, [300], 600, taus, noisy)
+    assert parity(hf, vllm)["ok"]
+    hf["dtype"] = vllm["dtype"] = "float32"
+    result = parity(hf, vllm)
+    assert not result["ok"] and result["paired"]["agreement_required"] == 0.9
+    assert "float32 needs the same on 90%" in parity_message(result, "d")
+
+
+def test_vllm_config_is_checked_by_name():
+    VllmConfig().validate()
+    with pytest.raises(EagleError, match="eval.vllm.num_speculative_tokens"):
+        VllmConfig(num_speculative_tokens=0).validate("eval.vllm")
+    with pytest.raises(EagleError, match="data.vllm.data_parallel_size"):
+        VllmConfig(data_parallel_size=0).validate("data.vllm")
+    with pytest.raises(EagleError, match="kv_cache_gb"):
+        VllmConfig(kv_cache_gb=0.5).validate()
+
+
+def test_speculative_config_follows_the_export_layout(tmp_path):
+    for layout, config, method in (
+        ("eagle3", {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": 8}, "eagle3"),
+        ("eagle1", {"architectures": ["LlamaForCausalLM"]}, "eagle"),
+        ("speculators", {"speculators_model_type": "eagle3"}, None),
+    ):
+        folder = tmp_path / layout
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        spec = speculative_config(folder, 4)
+        assert spec.get("method") == method and spec["num_speculative_tokens"] == 4
+        assert spec["model"] == str(folder.resolve())
+    with pytest.raises(EagleError, match="eagle export"):
+        speculative_config(tmp_path / "missing", 3)
+
+
+def test_answer_parts_are_merged_whole_lines_only(tmp_path):
+    answers = tmp_path / "regen.jsonl"
+    answers.write_text('{"id": "a", "turn": 0, "content": "x"}\n{"id": "b", "tu')  # a torn line of a killed run
+    (tmp_path / "regen.jsonl.part0").write_text('{"id": "c", "turn": 0, "content": "y"}\n')
+    (tmp_path / "regen.jsonl.part1").write_text('{"id": "d", "turn": 0, "content": "z"}\n{"id": "e"')
+    merge_parts(answers)
+    lines = answers.read_text().split("\n")
+    parsed = []
+    for line in lines:
+        try:
+            parsed.append(json.loads(line)["id"])
+        except (json.JSONDecodeError, KeyError):
+            continue
+    assert parsed == ["a", "c", "d"]
+    assert not list(tmp_path.glob("*.part*"))
+
+
+def test_a_failed_parity_check_exits_with_status_1_and_names_the_fields(monkeypatch, capsys):
+    from eagle import cli
+    from eagle.vllm_eval import ParityError
+    from train import pipeline
+
+    def failing(cfg):
+        raise ParityError("parity failed for x: check eagle_aux_hidden_state_layer_ids")
+
+    monkeypatch.setattr(pipeline, "run_eval", failing)
+    assert cli.main(["eval", "--engine", "both"]) == 1
+    assert "eagle_aux_hidden_state_layer_ids" in capsys.readouterr().err
