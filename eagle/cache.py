@@ -1,8 +1,7 @@
 """Keep or drop sequence positions of a transformers KV cache (after a tree verification).
 
 Supported: ``DynamicCache`` whose layers hold ``.keys/.values`` [B, H, S, D] (full-attention layers, and
-sliding-window layers as long as they have not started dropping old positions) and legacy tuple-of-tuples
-caches. Static, quantized, offloaded and recurrent (linear-attention) caches cannot drop arbitrary positions
+sliding-window layers as long as they have not started dropping old positions). Legacy tuple caches, static, quantized, offloaded and recurrent (linear-attention) caches cannot drop arbitrary positions
 cheaply or at all: they raise EagleError. ``eagle.speculate`` always builds a full-size ``DynamicCache`` (and
 applies sliding windows through its own attention masks), so it never meets those.
 """
@@ -58,17 +57,10 @@ def _select(t: torch.Tensor, keep: torch.Tensor, start: int) -> torch.Tensor:
 def gather_cache(cache: Any, keep: torch.Tensor) -> Any:
     """Keep only sequence positions ``keep`` (LongTensor [n], in that order) in every layer of ``cache``.
 
-    A ``Cache`` object is modified in place and returned; a legacy tuple cache is returned as a new tuple.
+    The cache is modified in place and returned.
     """
     keep = torch.as_tensor(keep, dtype=torch.long).flatten().cpu()
     start = _unchanged_prefix(keep)
-    if isinstance(cache, (tuple, list)):
-        out = []
-        for entry in cache:
-            k, v = entry[0], entry[1]
-            idx = keep.to(k.device)
-            out.append((k[..., idx, :], v[..., idx, :], *entry[2:]))
-        return tuple(out)
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise EagleError(f"cache of type {type(cache).__name__} is not supported; {_UNSUPPORTED_HINT}")
@@ -93,8 +85,6 @@ def crop_cache(cache: Any, n: int) -> Any:
     """Keep the first ``n`` positions of every layer (same support and in-place rules as :func:`gather_cache`)."""
     if n < 0:
         raise EagleError(f"cannot crop a cache to a negative length ({n})")
-    if isinstance(cache, (tuple, list)):
-        return tuple((e[0][..., :n, :], e[1][..., :n, :], *e[2:]) for e in cache)
     layers = getattr(cache, "layers", None)
     if layers is None:
         raise EagleError(f"cache of type {type(cache).__name__} is not supported; {_UNSUPPORTED_HINT}")
@@ -111,8 +101,6 @@ def crop_cache(cache: Any, n: int) -> Any:
 
 def cache_length(cache: Any) -> int:
     """Number of positions held (first layer that holds any); 0 for an empty cache."""
-    if isinstance(cache, (tuple, list)):
-        return int(cache[0][0].shape[-2]) if cache else 0
     for layer in getattr(cache, "layers", []):
         length = _layer_length(layer)
         if length:

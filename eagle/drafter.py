@@ -17,6 +17,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from eagle.devices import model_device
 from eagle.errors import EagleError
 from eagle.heads import HeadCache
 from eagle.targets import cpu_has_fast_bf16, parse_dtype
@@ -52,7 +53,7 @@ def resolve_draft_dtype(
 
     The head only proposes tokens and the target verifies them, so its dtype changes the acceptance, never the
     output. ``"auto"`` picks bfloat16 on a CPU with native bf16 instructions: drafting there is ~1.6x faster than
-    in fp32 with the same acceptance (the head is trained and exported in bf16; benchmarks/TUNING.md run 32),
+    in fp32 with the same acceptance (the head is trained and exported in bf16),
     and the target's dtype everywhere else.
     """
     if setting is None:
@@ -200,7 +201,7 @@ class HeadDrafter:
             return self.head.draft_to_target(ids).cpu(), logp.cpu()
 
         try:
-            tree = build_tree(root_token, expand, tree_cfg, self.device)
+            tree = build_tree(root_token, expand, tree_cfg)
         finally:
             self.cache.crop(n)
         return tree
@@ -252,7 +253,7 @@ class OracleDrafter:
     @torch.no_grad()
     def draft(self, root_token: int, tree_cfg: TreeConfig) -> DraftTree:
         """Build the tree from the target's own next-token distributions."""
-        device = self.model.get_input_embeddings().weight.device
+        device = model_device(self.model)
 
         def expand(nodes: list[int], k: int, tokens: list[int], parents: list[int]):
             ids_out, logp_out = [], []
@@ -269,7 +270,7 @@ class OracleDrafter:
                 logp_out.append(logp[0])
             return torch.stack(ids_out).cpu(), torch.stack(logp_out).cpu()
 
-        self.last_tree = build_tree(root_token, expand, tree_cfg, device)
+        self.last_tree = build_tree(root_token, expand, tree_cfg)
         return self.last_tree
 
     def accept(

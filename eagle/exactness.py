@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from eagle.devices import model_device, model_dtype
+
 # relative logit gap under which the target's top two tokens count as tied at that precision: ~2-3 ulps of bf16
 # and fp16, ~1,000 ulps of fp32 (30 layers of differently ordered fp32 sums move logits by ~1e-5 relative)
 NEAR_TIE_RTOL: dict[torch.dtype, float] = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
@@ -66,12 +68,12 @@ def diagnose_mismatch(
     }
     if out["plain_token"] is None or out["spec_token"] is None:
         return out
-    device = model.get_input_embeddings().weight.device
+    device = model_device(model)
     ids = torch.tensor([list(prompt) + list(plain[:j])], device=device)
     logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0, -1].float()
     gap = float(logits[out["plain_token"]] - logits[out["spec_token"]])
     top = float(logits.max())
-    tol = near_tie_rtol(model.get_input_embeddings().weight.dtype) * abs(top)
+    tol = near_tie_rtol(model_dtype(model)) * abs(top)
     out.update(logit_gap=gap, top_logit=top, tolerance=tol, near_tie=abs(gap) <= tol)
     return out
 

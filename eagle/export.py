@@ -14,51 +14,10 @@ fingerprint, so that importing is exact). Three layouts:
     ``layers.0.input_layernorm`` because EAGLE-1's first layer skips its input norm -- our eagle1 head has
     none either (``eagle.heads.DecoderLayer``), so the mapping is a plain rename.
 
-What was checked, and where (read in the projects' sources; not run against the runtimes here):
-
-* SGLang ``python/sglang/srt/models/llama_eagle3.py``
-  (https://github.com/sgl-project/sglang/blob/main/python/sglang/srt/models/llama_eagle3.py): ``fc`` input
-  is ``3 * target_hidden_size`` (``target_hidden_size`` read from config.json when present), bias only if
-  config ``bias``; the layer keeps ``hidden`` as the residual and normalises it with ``hidden_norm`` (our
-  head does the same: ``norm_before_residual`` false); ``tie_word_embeddings: true`` would make the lm_head
-  the embedding, so we write false; ``draft_vocab_size`` sizes ``lm_head``; ``d2t`` becomes
-  ``hot_token_id = d2t + arange``; ``t2d`` is ignored. SGLang reads the aux layers from
-  ``eagle_config.eagle_aux_hidden_state_layer_ids`` and captures hidden state ``id + 1`` (comment "we plus 1
-  here" in ``models/llama.py::set_eagle3_layers_to_capture``), i.e. its ids are ours minus 1; its default
-  is ours, ``[2, L // 2, L - 3]``. Newer SGLang (PR https://github.com/sgl-project/sglang/pull/25454) adds
-  the 1 only when the first id is 1: with our default layers (first id 2 -> written 1) both agree.
-* SGLang ``llama_eagle.py`` (EAGLE-1/2): ``fc`` has a bias, layer 0 has no ``input_layernorm``, the output
-  is ``hidden + residual`` with no final norm, lm_head/embedding come from the target.
-* vLLM ``vllm/model_executor/models/llama_eagle3.py``
-  (https://github.com/vllm-project/vllm/blob/main/vllm/model_executor/models/llama_eagle3.py): renames
-  ``midlayer.`` to ``layers.0.``, ``d2t`` -> ``draft_id_to_target_id``, skips ``t2d``, ``fc`` has no bias,
-  ``norm_before_residual`` from the config (default false), ``eagle_config.use_aux_hidden_state``.
-  vLLM reads the aux layers from the top-level ``eagle_aux_hidden_state_layer_ids``
-  (``get_eagle3_aux_layers_from_config``) and its target models capture id ``k`` = HF ``hidden_states[k]``
-  (before layer k in older ``llama.py``; ``idx + 1`` after layer idx in ``EagleModelMixin``), i.e. the same
-  numbering as ours (see also https://github.com/vllm-project/vllm/pull/43671 on this off-by-one).
-  So config.json carries both keys, each in its runtime's numbering.
-* vLLM ``vllm/transformers_utils/configs/speculators/{base,algos}.py``: a speculators config needs
-  ``speculators_model_type``, ``transformer_layer_config`` (a dict merged into the draft config),
-  ``speculators_config.proposal_methods[0].speculative_tokens`` and ``speculators_config.verifier.
-  name_or_path``; ``draft_vocab_size``, ``target_hidden_size``, ``eagle_aux_hidden_state_layer_ids`` are
-  copied, and ``norm_before_residual`` defaults to TRUE when absent -- so we always write it (false).
-* speculators (https://github.com/vllm-project/speculators) ``src/speculators/models/eagle3/{config,core}.py``
-  and ``config.py`` / ``proposals/greedy.py``: ``Eagle3SpeculatorConfig`` fields, ``fc`` without bias,
-  ``layers.0.*``, ``embed_tokens``/``d2t``/``t2d`` may be absent on load, greedy proposal fields
-  (``proposal_type``, ``speculative_tokens``, ``verifier_accept_k``, ``accept_tolerance``), verifier
-  (``name_or_path``, ``architectures``).
-* vLLM ``llama_eagle.py`` (EAGLE-1): layer 0's input norm is an identity, and its ``fc`` has NO bias while
-  unknown weights are skipped, so an ``fc.bias`` is silently dropped there: train eagle1 heads with
-  ``fc_bias: false`` if they are meant for vLLM. SGLang and the EAGLE repository use the bias (the EAGLE
-  repository reads config.json ``bias``, default true; ``eagle/model/cnets1.py`` builds layer 0 without
-  ``input_layernorm``).
-* SpecForge's ``configs/*-eagle3.json`` (https://github.com/sgl-project/SpecForge) show the config.json
-  field set of ``LlamaForCausalLMEagle3`` drafts.
-
-Assumptions: the aux-layer numbering of the runtimes has changed between versions (links above); we write
-both conventions explicitly, which is right for the default layers in every version we read. Older
-runtimes read ``rope_theta`` / ``rope_scaling``, transformers 5 reads ``rope_parameters``: we write all three.
+The field-by-field mapping to each engine's loader (fc input width and bias, norm order, aux-layer numbering,
+``d2t``, rope spellings) is in docs/ARCHITECTURE.md, "Export layouts". Where the engines number aux layers
+differently, config.json carries each engine's key in its own numbering; ``eagle eval --engine both`` checks
+that vLLM reads an export the way it was trained (:mod:`eagle.vllm_eval`).
 """
 
 from __future__ import annotations
@@ -77,8 +36,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from eagle.devices import model_device
 from eagle.errors import EagleError
-from eagle.fileio import fsync_dir
+from eagle.fileio import fsync_dir, write_json_atomic, write_text_atomic
 from eagle.heads import HeadConfig, build_head
 from eagle.model_card import CARD_FILE, render_card
 
@@ -140,7 +100,7 @@ def expected_layout(
 ) -> dict[str, TensorSpec]:
     """Every tensor of ``layout`` for a head shaped by ``cfg``: name -> (shape, dtype).
 
-    Written from the layout definitions (docs, ``shared/DESIGN.md``), not from the head module, so that
+    Written from the layout definitions (docs/ARCHITECTURE.md), not from the head module, so that
     comparing a head's export against it checks the head too.
     """
     _check_layout(layout, cfg)
@@ -480,14 +440,6 @@ def _write_atomically(out: Path, write: Callable[[Path], None]) -> None:
     fsync_dir(out.parent)
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def export_head(
     head_or_state_and_cfg: Any,
     out_dir: str | os.PathLike,
@@ -533,9 +485,9 @@ def export_head(
 
     def write(folder: Path) -> None:
         save_file(tensors, str(folder / MODEL_FILE), metadata={"format": "pt"})
-        _write_json(folder / CONFIG_FILE, config)
-        _write_json(folder / HEAD_FILE, head_info)
-        (folder / CARD_FILE).write_text(card, encoding="utf-8")
+        write_json_atomic(config, folder / CONFIG_FILE)
+        write_json_atomic(head_info, folder / HEAD_FILE)
+        write_text_atomic(card, folder / CARD_FILE)
 
     _write_atomically(out, write)
     return out
@@ -695,7 +647,7 @@ def load_exported_head(
         # an HF CausalLM also has a ``.model`` (its backbone): only a Target is unwrapped
         model = target_model.model if isinstance(target_model, Target) else target_model
         head.attach_target(model)
-        head.to(model.get_input_embeddings().weight.device)
+        head.to(model_device(model))
     return head
 
 

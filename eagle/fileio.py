@@ -6,6 +6,7 @@ folder is fsynced so that the rename itself survives a power cut.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import uuid
@@ -42,15 +43,15 @@ def remove_stale_temps(path: str | os.PathLike) -> list[Path]:
     return stale
 
 
-def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
-    """Write a text file through a temporary file, fsync and rename; returns the path."""
+def write_bytes_atomic(data: bytes, path: str | os.PathLike) -> Path:
+    """Write a file through a temporary file, fsync and rename; returns the path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # a unique name opened normally (not mkstemp, whose 0600 mode would stick to the file)
     tmp = _temp_name(path)
     try:
-        with open(tmp, "x", encoding="utf-8") as fh:
-            fh.write(text)
+        with open(tmp, "xb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -58,6 +59,18 @@ def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+def write_text_atomic(text: str, path: str | os.PathLike) -> Path:
+    """Write a UTF-8 text file atomically (see :func:`write_bytes_atomic`); returns the path."""
+    return write_bytes_atomic(text.encode("utf-8"), path)
+
+
+def save_figure_atomic(fig: Any, path: str | os.PathLike, **savefig_kwargs: Any) -> Path:
+    """A matplotlib figure as PNG, written atomically (never a half-written image); returns the path."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", **savefig_kwargs)
+    return write_bytes_atomic(buffer.getvalue(), path)
 
 
 def write_json_atomic(data: Any, path: str | os.PathLike) -> Path:

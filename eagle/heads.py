@@ -26,7 +26,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from eagle.errors import EagleError
-from eagle.targets import default_aux_layers
+from eagle.features import default_aux_layers
 
 KINDS = ("eagle1", "eagle3")
 INIT_STD = 0.02  # HF's default initializer_range
@@ -54,33 +54,49 @@ def _rope_from_hf(hf_config: Any) -> tuple[float, dict | None]:
 
 @dataclasses.dataclass
 class HeadConfig:
-    """Shape and provenance of a draft head; JSON-safe via :meth:`to_dict` / :meth:`from_dict`."""
+    """A draft head: what to train, and once resolved against a target, its exact shape.
 
-    kind: str
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    vocab_size: int
+    The ``head:`` section of a run config sets the choices (``kind``, ``draft_vocab_size``, ``aux_layers``,
+    ``fc_bias``) and leaves the shape unset; :meth:`for_target` fills the shape in from the target (one decoder
+    layer of the target's width, heads, rope and norm eps). Checkpoints and exports store resolved configs, so
+    they rebuild the head exactly (:meth:`to_dict` / :meth:`from_dict`).
+    """
+
+    kind: str = "eagle3"  # eagle3 (EAGLE-3: fused low/mid/high features, draft vocabulary) | eagle1 (EAGLE-1/2)
+    draft_vocab_size: int | None = 8192  # eagle3: the most frequent loss-masked training tokens (null: all)
+    aux_layers: list[int] | None = None  # eagle3: hidden-state ids fused (null: the features' or [2, L//2, L-3])
+    fc_bias: bool = True  # eagle1: EAGLE-1/2 and SGLang give fc a bias; vLLM's EAGLE-1 drops it (train false)
+    # the shape, from the target (null until resolved)
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    vocab_size: int | None = None  # the target's vocabulary
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
-    draft_vocab_size: int | None = None  # eagle3 only; None means the full target vocabulary
-    target_hidden_size: int | None = None  # None means hidden_size
-    aux_layers: list[int] = dataclasses.field(default_factory=list)
+    target_hidden_size: int | None = None  # null: hidden_size
     hidden_act: str = "silu"
     target_name: str = ""
     target_fingerprint: str = ""
-    fc_bias: bool = True  # eagle1 only (EAGLE-1/2 use a biased fc); eagle3's fc never has a bias
 
     def __post_init__(self) -> None:
-        if self.draft_vocab_size is None or self.kind == "eagle1":
+        if self.vocab_size is not None and (self.draft_vocab_size is None or self.kind == "eagle1"):
             self.draft_vocab_size = self.vocab_size
         if self.target_hidden_size is None:
             self.target_hidden_size = self.hidden_size
-        self.aux_layers = [int(i) for i in self.aux_layers]
+        if self.aux_layers is not None:
+            self.aux_layers = [int(i) for i in self.aux_layers]
+        if self.kind == "eagle1" and self.hidden_size is not None:
+            self.aux_layers = []
+
+    @property
+    def resolved(self) -> bool:
+        """Whether the shape is known (a head can be built)."""
+        return None not in (self.hidden_size, self.intermediate_size, self.num_attention_heads,
+                            self.num_key_value_heads, self.head_dim, self.vocab_size)
 
     @classmethod
     def from_target(
@@ -91,6 +107,7 @@ class HeadConfig:
         aux_layers: list[int] | None = None,
         target_name: str = "",
         target_fingerprint: str = "",
+        fc_bias: bool = True,
     ) -> HeadConfig:
         """A head shaped like one decoder layer of the target (hidden, heads, rope, eps, MLP width)."""
         if kind not in KINDS:
@@ -98,52 +115,62 @@ class HeadConfig:
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         hidden = int(text.hidden_size)
         heads = int(text.num_attention_heads)
-        head_dim = getattr(text, "head_dim", None) or hidden // heads
         num_layers = int(text.num_hidden_layers)
         theta, scaling = _rope_from_hf(text)
-        if kind == "eagle3":
-            layers = list(aux_layers) if aux_layers is not None else default_aux_layers(num_layers)
-        else:
-            layers = []
-        cfg = cls(
-            kind=kind,
-            hidden_size=hidden,
-            intermediate_size=int(text.intermediate_size),
-            num_attention_heads=heads,
-            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
-            head_dim=int(head_dim),
-            vocab_size=int(text.vocab_size),
-            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=scaling,
-            max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096)),
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=hidden,
-            aux_layers=layers,
-            hidden_act=str(getattr(text, "hidden_act", "silu")),
-            target_name=target_name,
-            target_fingerprint=target_fingerprint,
-        )
-        for layer in cfg.aux_layers:
+        layers = (list(aux_layers) if aux_layers is not None else default_aux_layers(num_layers)) if kind == "eagle3" else []
+        for layer in layers:
             if not 0 <= layer <= num_layers:
                 raise EagleError(
                     f"aux layer {layer} is outside the target's hidden states 0..{num_layers}: "
                     f"set head.aux_layers to layer ids in that range"
                 )
-        cfg.validate()
-        return cfg
+        return cls(
+            kind=kind,
+            hidden_size=hidden,
+            intermediate_size=int(text.intermediate_size),
+            num_attention_heads=heads,
+            num_key_value_heads=int(getattr(text, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text, "head_dim", None) or hidden // heads),
+            vocab_size=int(text.vocab_size),
+            rms_norm_eps=float(getattr(text, "rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(getattr(text, "max_position_embeddings", 4096)),
+            draft_vocab_size=draft_vocab_size if kind == "eagle3" else None,
+            target_hidden_size=hidden,
+            aux_layers=layers,
+            hidden_act=str(getattr(text, "hidden_act", "silu")),
+            target_name=target_name,
+            target_fingerprint=target_fingerprint,
+            fc_bias=fc_bias if kind == "eagle1" else True,
+        ).validate()
+
+    def for_target(self, hf_config: Any, aux_layers: list[int] | None = None, target_name: str = "",
+                   target_fingerprint: str = "") -> HeadConfig:
+        """This section's choices on the target's shape (``aux_layers``: when the section leaves them unset)."""
+        return HeadConfig.from_target(
+            hf_config, self.kind, self.draft_vocab_size,
+            self.aux_layers if self.aux_layers is not None else aux_layers,
+            target_name, target_fingerprint, self.fc_bias,
+        )
 
     def validate(self) -> HeadConfig:
-        """Raise EagleError on an inconsistent config; returns self."""
+        """Raise EagleError on an inconsistent config (the shape only once resolved); returns self."""
         if self.kind not in KINDS:
             raise EagleError(f"unknown head kind {self.kind!r}: set head.kind to one of {', '.join(KINDS)}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size <= 0:
+            raise EagleError(f"head.draft_vocab_size must be positive, got {self.draft_vocab_size}")
+        if self.aux_layers is not None and len(set(self.aux_layers)) != len(self.aux_layers):
+            raise EagleError(f"head.aux_layers must list distinct hidden-state ids, got {self.aux_layers}")
+        if self.hidden_act not in ACT2FN:
+            raise EagleError(f"unknown activation {self.hidden_act!r}: use one of transformers' ACT2FN names")
+        if not self.resolved:
+            return self
         if self.draft_vocab_size > self.vocab_size:
             raise EagleError(
-                f"draft vocabulary ({self.draft_vocab_size}) is larger than the target's vocabulary "
+                f"head.draft_vocab_size={self.draft_vocab_size} is larger than the target's vocabulary "
                 f"({self.vocab_size}): lower head.draft_vocab_size"
             )
-        if self.draft_vocab_size <= 0:
-            raise EagleError(f"draft vocabulary size must be positive, got {self.draft_vocab_size}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise EagleError(
                 f"num_attention_heads ({self.num_attention_heads}) is not a multiple of num_key_value_heads "
@@ -151,8 +178,6 @@ class HeadConfig:
             )
         if self.kind == "eagle3" and not self.aux_layers:
             raise EagleError("an eagle3 head needs aux_layers: set head.aux_layers (e.g. [2, L//2, L-3])")
-        if self.hidden_act not in ACT2FN:
-            raise EagleError(f"unknown activation {self.hidden_act!r}: use one of transformers' ACT2FN names")
         return self
 
     def to_dict(self) -> dict:
@@ -163,22 +188,19 @@ class HeadConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> HeadConfig:
-        """Inverse of :meth:`to_dict`; unknown keys are rejected by name."""
+        """Inverse of :meth:`to_dict` for a resolved config; unknown or missing keys are refused by name."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
             raise EagleError(f"unknown head config keys {unknown}: remove them (known: {sorted(names)})")
-        required = [
-            f.name
-            for f in dataclasses.fields(cls)
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-        ]
-        missing = sorted(set(required) - set(data))
-        if missing:
+        cfg = cls(**data)
+        if not cfg.resolved:
+            missing = [k for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                   "head_dim", "vocab_size") if data.get(k) is None]
             raise EagleError(
                 f"head config lacks required keys {missing}: add them (or rebuild it with from_target)"
             )
-        return cls(**data).validate()
+        return cfg.validate()
 
 
 class HeadCache:
@@ -558,14 +580,11 @@ class Eagle1Head(_DraftHead):
 
 
 def build_head(cfg: HeadConfig) -> Eagle1Head | Eagle3Head:
-    """A freshly initialised head of ``cfg.kind``."""
+    """A freshly initialised head of ``cfg.kind`` (a resolved config: see :meth:`HeadConfig.for_target`)."""
+    if not cfg.resolved:
+        raise EagleError("the head config has no shape yet: resolve it against the target (HeadConfig.for_target)")
     cfg.validate()
     return Eagle3Head(cfg) if cfg.kind == "eagle3" else Eagle1Head(cfg)
-
-
-def num_parameters(head: nn.Module) -> int:
-    """Trainable parameter count (the borrowed target modules are not included)."""
-    return sum(p.numel() for p in head.parameters())
 
 
 __all__ = [
@@ -575,6 +594,5 @@ __all__ = [
     "Eagle3Head",
     "build_head",
     "apply_rope",
-    "num_parameters",
     "KINDS",
 ]

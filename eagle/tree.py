@@ -28,8 +28,9 @@ class TreeConfig:
 
     ``chain``: top-1 drafts, ``depth`` of them. ``static``: the fixed shape ``static_paths`` (EAGLE-1/Medusa
     "choices": each path lists child ranks from the root, e.g. ``[[0], [1], [0, 0]]``). ``dynamic``: EAGLE-2,
-    expand the ``top_k`` best nodes per depth, keep the ``total_tokens - 1`` best drafts overall (``"auto"``:
-    small on CPU, large on accelerators, see :func:`resolve_total_tokens`).
+    expand the ``top_k`` best nodes per depth, keep the ``total_tokens - 1`` best drafts overall (``"auto"``: the
+    size that gives the most tokens/s on this device, measured by :mod:`eagle.autotune` before decoding; a tree
+    is only ever built with a number).
 
     ``lookup_ngram`` > 0 adds a prompt-lookup branch to every tree (on top of the node budget): the tokens that
     followed the latest earlier occurrence of the context's last n-gram (n = lookup_ngram down to 1), up to the
@@ -102,6 +103,17 @@ def deepest_node(cfg: TreeConfig) -> int:
     return max(deepest_draft(cfg), lookup_length(cfg))
 
 
+def verify_tokens(cfg: TreeConfig) -> int:
+    """Nodes (root included) a verification forward of this tree holds at most, with its lookup branch."""
+    if cfg.policy == "chain":
+        drafted = cfg.depth + 1
+    elif cfg.policy == "static":
+        drafted = len(cfg.static_paths or []) + 1
+    else:
+        drafted = int(cfg.total_tokens)
+    return drafted + lookup_length(cfg)
+
+
 def lookup_continuation(history: Sequence[int], max_ngram: int, num_tokens: int) -> list[int]:
     """Prompt lookup: up to ``num_tokens`` tokens that followed the latest earlier occurrence of the last n-gram
     of ``history`` (trying n = max_ngram down to 1); [] when nothing matches."""
@@ -136,17 +148,6 @@ def graft_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
     return tree_from_parents(tokens, parents, logprobs)
 
 
-def resolve_total_tokens(total_tokens: int | str, device: torch.device | str) -> int:
-    """The node budget of a dynamic tree; ``"auto"`` picks a small tree on CPU and a large one elsewhere.
-
-    On CPU a verification forward grows noticeably with the number of tree tokens, while on a GPU 8 to 64
-    tokens cost about the same as one (see DESIGN.md, measured costs).
-    """
-    if total_tokens != "auto":
-        return int(total_tokens)
-    return 12 if torch.device(device).type == "cpu" else 60
-
-
 @dataclass
 class DraftTree:
     """A draft tree in topological order (node 0 = root, the last sampled token).
@@ -169,11 +170,6 @@ class DraftTree:
     def size(self) -> int:
         """Number of nodes, root included."""
         return int(self.tokens.shape[0])
-
-    @property
-    def draft_probs(self) -> torch.Tensor | None:
-        """Draft probability of each node given its parent (1 for the root), when the builder recorded it."""
-        return None if self.draft_logprobs is None else self.draft_logprobs.exp()
 
     @property
     def max_depth(self) -> int:
@@ -335,15 +331,16 @@ def build_dynamic_tree(
     )
 
 
-def build_tree(
-    root_token: int, expand: ExpandFn, cfg: TreeConfig, device: torch.device | str = "cpu"
-) -> DraftTree:
+def build_tree(root_token: int, expand: ExpandFn, cfg: TreeConfig) -> DraftTree:
     """Grow the tree ``cfg`` asks for from ``root_token`` using ``expand``."""
     cfg.validate()
     if cfg.policy == "chain":
         return build_chain(root_token, expand, cfg.depth)
     if cfg.policy == "static":
         return build_static_tree(root_token, expand, cfg.static_paths or [])
-    return build_dynamic_tree(
-        root_token, expand, cfg.depth, cfg.top_k, resolve_total_tokens(cfg.total_tokens, device)
-    )
+    if cfg.total_tokens == "auto":
+        raise EagleError(
+            "tree total_tokens is 'auto': the size is measured on this device before decoding (eagle eval does it "
+            "with eagle.autotune.autotune_total_tokens); give a number of tree tokens when drafting directly"
+        )
+    return build_dynamic_tree(root_token, expand, cfg.depth, cfg.top_k, int(cfg.total_tokens))

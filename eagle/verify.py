@@ -90,32 +90,6 @@ class LazyRows:
         return list(self._rows)
 
 
-def logits_to_probs(
-    logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
-) -> torch.Tensor:
-    """Next-token probabilities after HF's sampling warpers (temperature, then top-k, then top-p).
-
-    ``temperature <= 0`` means greedy: a one-hot distribution at the argmax. ``top_k=0`` and ``top_p=1`` disable
-    those filters; at least one token always survives, as in transformers.
-    """
-    logits = logits.float()
-    if temperature <= 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
-    scores = logits / temperature
-    if top_k and top_k > 0:
-        k = min(int(top_k), scores.shape[-1])
-        kth = torch.topk(scores, k, dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_scores, sorted_idx = torch.sort(scores, descending=False, dim=-1)
-        cum = sorted_scores.softmax(-1).cumsum(-1)
-        remove_sorted = cum <= (1 - top_p)
-        remove_sorted[..., -1] = False  # keep at least the most likely token
-        remove = remove_sorted.scatter(-1, sorted_idx, remove_sorted)
-        scores = scores.masked_fill(remove, float("-inf"))
-    return scores.softmax(-1)
-
-
 def verify_greedy(tree: DraftTree, target_logits: torch.Tensor | LazyRows) -> tuple[torch.Tensor, int]:
     """Accept the longest path whose every drafted token equals the target's argmax at its parent.
 
@@ -143,7 +117,7 @@ def verify_sampling(
     """Multi-candidate rejection sampling over a tree of deterministic (top-k) drafts; exactly lossless.
 
     ``target_probs`` [N, V] (or a :class:`LazyRows`, read at the visited nodes only): the target's warped
-    distributions (see :func:`logits_to_probs`). Random choices go through ``generator``: a torch.Generator
+    distributions (see :func:`eagle.sampling.logits_to_probs`). Random choices go through ``generator``: a torch.Generator
     (its device is used for the arithmetic) or any :class:`Decisions`. Returns (accepted node indices incl. the
     root, the next token).
     """

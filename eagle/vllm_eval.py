@@ -19,7 +19,6 @@ inside the engine, which shows up exactly so: acceptance below what the same hea
 
 from __future__ import annotations
 
-import datetime
 import math
 from collections.abc import Sequence
 from dataclasses import replace
@@ -29,18 +28,11 @@ from typing import Any
 import torch
 
 from eagle.errors import CheckFailed, EagleError
-from eagle.evaluate import (
-    EvalConfig,
-    PromptRun,
-    _package_version,
-    _prompt_record,
-    _transformers_version,
-    load_prompt_sets,
-    print_report_table,
-    summarize,
-)
+from eagle.evaluate import EvalConfig
 from eagle.exactness import diagnose_mismatch, mismatch_note, mismatch_summary
 from eagle.fileio import write_json_atomic
+from eagle.metrics import PromptRun, print_report_table, prompt_record, summarize, versions
+from eagle.prompts import load_prompt_sets
 from eagle.speculate import GenerationResult
 from eagle.vllm_engine import EngineSpec, Job, accepted_per_position, run_job, speculative_method
 
@@ -176,7 +168,7 @@ def vllm_reports(
     method = speculative_method(draft) or "speculators"
     target_dir = resolve_target(target_name)
     tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
-    sets = load_prompt_sets(cfg, tokenizer)
+    sets = load_prompt_sets(cfg.prompts, tokenizer, cfg.max_prompts)
     eos = _eos_ids(target_dir, tokenizer)
     flat = [(name, pid, ids) for name, prompts in sets for pid, ids in prompts]
     job = Job(
@@ -193,9 +185,7 @@ def vllm_reports(
     common = {
         "engine": "vllm", "target": target_name, "target_path": target_dir, "head": draft, "method": method,
         "device": "cuda" if torch.cuda.is_available() else "cpu", "dtype": dtype,
-        "vllm_version": result.get("vllm_version"), "torch_version": torch.__version__,
-        "transformers_version": _transformers_version(), "eagle_version": _package_version("eagle-heads"),
-        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "vllm_version": result.get("vllm_version"), **versions(),
     }
     reports = {}
     for k in ks:
@@ -217,7 +207,7 @@ def vllm_reports(
             "engine_counts": engines[f"k{k}"].get("single_counts"),  # vLLM's own counters (one head engine)
             "batched": _batched_summary(engines, f"k{k}"),
             "greedy_mismatches": _referee(all_runs, target_dir, dtype, trust_remote_code) if cfg.baseline else None,
-            "prompts": [_prompt_record(r) for r in all_runs],
+            "prompts": [prompt_record(r) for r in all_runs],
         }
     return reports
 

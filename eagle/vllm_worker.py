@@ -17,6 +17,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from eagle.fileio import write_json_atomic
 from eagle.vllm_engine import EngineSpec, Job, speculative_config
 
 
@@ -197,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         result = {"error": f"{type(e).__name__}: {e}"}
     result["vllm_version"] = vllm.__version__
-    tmp = Path(args[1] + ".tmp")
-    tmp.write_text(json.dumps(result), encoding="utf-8")
-    tmp.replace(args[1])
+    write_json_atomic(result, args[1])
     return 0
 
 

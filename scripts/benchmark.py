@@ -197,8 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> list[Path]:
     """Evaluate, write the result JSON(s), regenerate the table; returns the JSON paths written."""
-    from eagle.evaluate import EvalConfig, evaluate, write_json_atomic
-    from eagle.targets import EMBEDDED_TARGET, TargetConfig, load_target
+    from eagle.embedded import EMBEDDED_TARGET
+    from eagle.evaluate import EvalConfig, evaluate
+    from eagle.fileio import write_json_atomic
+    from eagle.targets import TargetConfig, load_target
     from eagle.tree import TreeConfig
 
     tree = TreeConfig(

@@ -24,8 +24,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from eagle.cli import main  # noqa: E402
 from eagle.testing import tiny_model  # noqa: E402
+from recipes.cli import main  # noqa: E402
 
 
 def _shrunk(run_dir: Path, target: Path, *extra: str) -> list[str]:

@@ -13,6 +13,6 @@ MINUTES="${1:-7}"
 shift || true
 # a bounded pool of prompts (regeneration answers what its share of the budget allows); eval: 128 new tokens on
 # up to 20 prompts per set so that several of each set finish inside its share
-python3 -m eagle.cli demo --config configs/smollm2_1gpu.yaml --budget "$MINUTES" \
+python3 -m recipes demo --config configs/smollm2_1gpu.yaml --budget "$MINUTES" \
     run_dir=runs/smollm2-1gpu-short demo.reserve_minutes=0.5 data.max_conversations=3000 \
     eval.max_prompts=20 eval.max_new_tokens=128 "$@"

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from eagle.drafter import HeadDrafter
 from eagle.heads import HeadConfig, build_head
+from eagle.sampling import Sampling
 from eagle.speculate import plain_generate, speculative_generate
 from eagle.tree import TreeConfig
 
@@ -44,11 +45,11 @@ def run(label):
         for trial in range(2 if tree.total_tokens == 32 else 1):
             sync()
             t0 = time.perf_counter()
-            p = plain_generate(m, ids, N, eos_token_ids=[])
+            p = plain_generate(m, ids, N, sampling=Sampling(eos_token_ids=[]))
             sync()
             tp = time.perf_counter() - t0
             t0 = time.perf_counter()
-            r = speculative_generate(m, drafter, ids, N, tree, eos_token_ids=[])
+            r = speculative_generate(m, drafter, ids, N, tree, sampling=Sampling(eos_token_ids=[]))
             sync()
             ts = time.perf_counter() - t0
             steps = len(r.accept_lengths)

@@ -21,7 +21,7 @@ eagle prepare --config "$CONFIG" "$@"
 # 2. offline mode: hidden states of the 3 aux layers + the last layer, bf16 shards (~4.5 KB/token)
 eagle collect --config "$CONFIG" "$@"
 # 3. train (one process; `eagle train --config ...` is equivalent on one GPU)
-accelerate launch --config_file configs/accelerate/single_gpu.yaml -m train.trainer --config "$CONFIG" "$@"
+accelerate launch --config_file configs/accelerate/single_gpu.yaml -m recipes train --config "$CONFIG" "$@"
 # 4. the EAGLE-3 layout SGLang and vLLM load (model.safetensors + config.json)
 eagle export --config "$CONFIG" "$@"
 # 5. speculative vs plain decoding on dev-chat + dev-code: report.json and plots under run_dir/eval/

@@ -29,7 +29,7 @@ STAGES="${STAGES:-prepare collect train export eval}"
 config_value() {
     python - "$CONFIG" "$1" "${@:2}" <<'EOF'
 import sys
-from train.config import load_config
+from recipes.config import load_config
 cfg = load_config(sys.argv[1], sys.argv[3:])
 value = cfg
 for part in sys.argv[2].split("."):
@@ -59,14 +59,14 @@ fi
 # 2. collect only in offline mode (each process takes every NUM_GPUS-th shard); online mode needs no features
 if has_stage collect; then
     if [[ "$(config_value train.mode "$@")" == "offline" ]]; then
-        launch eagle.cli collect --config "$CONFIG" "$@"
+        launch recipes collect --config "$CONFIG" "$@"
     else
         echo "collect: skipped (train.mode is online: the target runs inside each training step)"
     fi
 fi
 # 3. train on all GPUs (train.batch_size is per GPU: global batch = NUM_GPUS x batch_size x grad_accum)
 if has_stage train; then
-    launch train.trainer --config "$CONFIG" "$@"
+    launch recipes train --config "$CONFIG" "$@"
 fi
 # 4-5. export (CPU) and evaluate (one GPU)
 if has_stage export; then

@@ -38,7 +38,7 @@ done
 # The prepared data must already be on shared storage: preparing on every node would race.
 data_dir="$(python - "$CONFIG" "$@" <<'EOF'
 import sys
-from train.config import load_config
+from recipes.config import load_config
 print(load_config(sys.argv[1], sys.argv[2:]).data.output_dir)
 EOF
 )"
@@ -56,12 +56,12 @@ case "$LAUNCHER" in
         accelerate launch --config_file configs/accelerate/multi_node.yaml \
             --num_machines "$NNODES" --num_processes "$((NNODES * GPUS_PER_NODE))" \
             --machine_rank "$NODE_RANK" --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
-            -m train.trainer --config "$CONFIG" "$@" ;;
+            -m recipes train --config "$CONFIG" "$@" ;;
     torchrun)
         # DeepSpeed (or DDP with train.deepspeed=null) is chosen by the trainer from the run config
         torchrun --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" --node-rank "$NODE_RANK" \
             --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-            -m train.trainer --config "$CONFIG" "$@" ;;
+            -m recipes train --config "$CONFIG" "$@" ;;
     *)
         echo "LAUNCHER must be accelerate or torchrun (got '$LAUNCHER')" >&2
         exit 2 ;;

@@ -33,8 +33,9 @@ def main() -> int:
     args = parser.parse_args()
 
     from eagle.targets import load_tokenizer
-    from train.config import load_config
-    from train.prepare import _read_partial, prepare
+    from recipes.config import load_config
+    from train.prepare import prepare
+    from train.regenerate import read_partial
 
     cfg = load_config(args.config, [f"data.max_conversations={args.conversations}"])
     tokenizer = load_tokenizer(cfg.target.name)
@@ -46,7 +47,7 @@ def main() -> int:
             t0 = time.perf_counter()
             summary = prepare(data, cfg.target, collect=cfg.collect)
             seconds = time.perf_counter() - t0
-            answers = _read_partial(next(Path(data.output_dir).glob("regen-*.jsonl")))
+            answers = read_partial(next(Path(data.output_dir).glob("regen-*.jsonl")))
             tokens = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in answers.values())
             rows[engine] = {"conversations": len(answers), "answer_tokens": tokens, "seconds": seconds,
                             "conversations_per_s": len(answers) / seconds, "tokens_per_s": tokens / seconds,

@@ -35,8 +35,11 @@ sys.path.insert(0, str(ROOT))
 
 from eagle.drafter import HeadDrafter, resolve_draft_dtype  # noqa: E402
 from eagle.errors import EagleError  # noqa: E402
-from eagle.evaluate import EvalConfig, eos_token_ids, load_prompt_sets, write_json_atomic  # noqa: E402
+from eagle.evaluate import EvalConfig, eos_token_ids  # noqa: E402
 from eagle.export import load_exported_head  # noqa: E402
+from eagle.fileio import write_json_atomic  # noqa: E402
+from eagle.prompts import load_prompt_sets  # noqa: E402
+from eagle.sampling import Sampling  # noqa: E402
 from eagle.speculate import plain_generate, speculative_generate  # noqa: E402
 from eagle.targets import load_target, prepack_for_cpu  # noqa: E402
 from eagle.tree import TreeConfig  # noqa: E402
@@ -96,11 +99,11 @@ def sweep(
         results = {}
         for name in order:
             if name == "plain":
-                results[name] = plain_generate(target.model, x, max_new_tokens, eos_token_ids=eos)
+                results[name] = plain_generate(target.model, x, max_new_tokens, sampling=Sampling(eos_token_ids=eos))
             else:
                 tree, drafter = runs[name]
                 results[name] = speculative_generate(
-                    target.model, drafter, x, max_new_tokens, tree, eos_token_ids=eos
+                    target.model, drafter, x, max_new_tokens, tree, sampling=Sampling(eos_token_ids=eos)
                 )
         for name, res in results.items():
             if name != "plain":
@@ -258,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         drafters = {label: HeadDrafter(head) for label, head in heads.items()}
         cfg = EvalConfig(prompts=args.prompts, max_prompts=args.max_prompts)
         prompts = [
-            (s, pid, ids) for s, items in load_prompt_sets(cfg, target.tokenizer) for pid, ids in items
+            (s, pid, ids) for s, items in load_prompt_sets(cfg.prompts, target.tokenizer, cfg.max_prompts) for pid, ids in items
         ]
     except EagleError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -33,7 +33,7 @@ from eagle.fileio import write_json_atomic  # noqa: E402
 def _cfg(args: argparse.Namespace, draft: str, report: str) -> EvalConfig:
     cfg = EvalConfig(draft=draft, prompts=list(args.prompts), max_prompts=args.prompts_per_set,
                      max_new_tokens=args.max_new_tokens, report=report, prompt_lookup=False, warmup=1)
-    cfg.vllm = replace(cfg.vllm, kv_cache_gb=args.kv_cache_gb)
+    cfg.vllm = replace(cfg.vllm, kv_cache_gb=args.kv_cache_gb, enforce_eager=args.enforce_eager)
     return cfg
 
 
@@ -155,6 +155,7 @@ def main() -> int:
         p.add_argument("--kv-cache-gb", type=int, default=2)
         p.add_argument("--k", type=int, nargs="+", default=[3])
         p.add_argument("--name", default=None, help="benchmarks/<name>.json")
+        p.add_argument("--enforce-eager", action="store_true", help="vLLM without compilation (faster start)")
     sub.choices["speed"].add_argument("--draft", required=True)
     sub.choices["speed"].add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     sub.choices["parity"].add_argument("--draft", nargs="+", required=True, help="LAYOUT=DIR ...")

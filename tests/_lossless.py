@@ -21,8 +21,9 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle.sampling import logits_to_probs
 from eagle.testing import tiny_config
-from eagle.verify import Decisions, logits_to_probs
+from eagle.verify import Decisions
 
 V = 6  # vocabulary of the tiny targets: small enough to enumerate every output of a few tokens
 

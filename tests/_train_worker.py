@@ -1,7 +1,7 @@
 """Helpers for the trainer tests, and a worker script they launch in subprocesses.
 
 ``python tests/_train_worker.py ARGS.json`` trains with the settings in the JSON file (``train`` = TrainConfig
-fields, ``head`` = HeadSpec fields, ``data_dir`` / ``features_dir``). With ``"hang_after_step": N`` the process
+fields, ``head`` = HeadConfig fields, ``data_dir`` / ``features_dir``). With ``"hang_after_step": N`` the process
 prints ``CHECKPOINT N`` after checkpoint N is in place and then sleeps, so a test can SIGKILL it at a known point.
 It works alone, under ``torchrun`` and under the ``deepspeed`` launcher (which adds ``--local_rank``).
 """
@@ -87,7 +87,7 @@ def make_prepared(
 
 def collect_features(data_dir: str | Path, out_dir: str | Path, target=None) -> Path:
     """Offline features of the bigram target over prepared data (float32 storage, for exact comparisons)."""
-    from eagle.targets import default_aux_layers
+    from eagle.features import default_aux_layers
     from train.collect import CollectConfig, collect
 
     target = target or bigram_target()
@@ -103,7 +103,8 @@ def collect_features(data_dir: str | Path, out_dir: str | Path, target=None) -> 
 
 def main(argv: list[str]) -> int:
     from eagle.errors import EagleError
-    from train.trainer import HeadSpec, TrainConfig, train
+    from eagle.heads import HeadConfig
+    from train.trainer import TrainConfig, train
 
     args = json.loads(Path([a for a in argv if not a.startswith("--local_rank")][0]).read_text())
     hang = args.get("hang_after_step")
@@ -118,7 +119,7 @@ def main(argv: list[str]) -> int:
             target=bigram_target(),
             data_dir=args.get("data_dir"),
             features_dir=args.get("features_dir"),
-            head=HeadSpec(**args.get("head", {})),
+            head=HeadConfig(**args.get("head", {})),
             cfg=TrainConfig(**args["train"]),
             on_checkpoint=on_checkpoint,
         )

@@ -50,6 +50,19 @@ def bigram_data(tmp_path_factory, bigram_target):
     return prepared, features
 
 
+SMOLLM2_VOCAB = 49152  # the embedded tokenizer's: prompts it tokenizes stay in range of the tiny target
+
+
+@pytest.fixture(scope="session")
+def tiny_target_folder(tmp_path_factory):
+    """A tiny random llama (2 layers, hidden 32) saved as an HF folder with the embedded SmolLM2 tokenizer and its
+    chat template: what the stage tests run every command on (read-only)."""
+    from eagle.testing import save_tiny_target
+
+    return save_tiny_target(tmp_path_factory.mktemp("tiny-target") / "target", "llama",
+                            vocab_size=SMOLLM2_VOCAB, hidden_size=32, num_layers=2)
+
+
 @pytest.fixture(scope="module")
 def tok():
     """The embedded SmolLM2 tokenizer, read straight from the GGUF (no model conversion needed)."""
@@ -71,8 +84,8 @@ def smollm2_head(tmp_path_factory):
     """An EAGLE-3 head trained here in a couple of minutes against the embedded SmolLM2, the demo's recipe in
     small: 200 chat and code prompts answered by the fp32 target (its features kept as it answers), 160 steps. It
     accepts part of its drafts, not all. Returns the run's config (``export.output_dir`` is its EAGLE-3 export)."""
-    from train import pipeline
-    from train.config import load_config
+    from recipes import collect, export, prepare, train
+    from recipes.config import load_config
 
     run_dir = tmp_path_factory.mktemp("smollm2-head")
     cfg = load_config(None, [
@@ -85,10 +98,8 @@ def smollm2_head(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the one fixture worth both cores
     try:
-        pipeline.run_prepare(cfg)
-        pipeline.run_collect(cfg)
-        pipeline.run_train(cfg)
-        pipeline.run_export(cfg)
+        for stage in (prepare, collect, train, export):
+            stage.run(cfg)
     finally:
         torch.set_num_threads(threads)
         from accelerate.state import AcceleratorState, GradientState

@@ -1,7 +1,7 @@
 """The bad-input sweep (the table in tests/BAD_INPUTS.md): each row feeds one bad input to an ``eagle`` stage.
 
 A module fixture makes a complete tiny run (prepare -> collect -> train -> export -> eval on a 2-layer llama with
-the SmolLM2 tokenizer). Every row then runs the command line (``eagle.cli.main``, the console script's entry
+the SmolLM2 tokenizer). Every row then runs the command line (``recipes.cli.main``, the console script's entry
 point, in this process; two rows also through the real ``eagle`` executable) with one bad input, and checks:
 exit status 2 (argparse's own errors: also 2), exactly one ``error:`` line that names the problem and the fix,
 no traceback, and every file of the run byte-identical afterwards. Where a stage can write, the row points it at
@@ -27,7 +27,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle import cli
+from recipes import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB = 49152  # the SmolLM2 tokenizer's
@@ -69,12 +69,12 @@ eval: {{draft: "{{run_dir}}/export", prompts: [{root}/prompts.jsonl], max_new_to
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory) -> Run:
+def run(tmp_path_factory, tiny_target_folder) -> Run:
     from eagle.testing import save_tiny_target
 
     root = tmp_path_factory.mktemp("bad-inputs")
-    for name, vocab in (("target", VOCAB), ("other", 256)):
-        save_tiny_target(root / name, "llama", vocab_size=vocab, hidden_size=32, num_layers=2)
+    shutil.copytree(tiny_target_folder, root / "target")
+    save_tiny_target(root / "other", "llama", vocab_size=256, hidden_size=32, num_layers=2)
     chats = [
         {
             "messages": [
@@ -142,7 +142,7 @@ def first_shard(features: Path) -> Path:
 
 def shard_changed(r: Run, tmp: Path, change: Callable[[dict], None]) -> Path:
     """A copy of the features whose first shard's tensors were changed (and its checksum updated to match)."""
-    from train.collect import sha256_file
+    from train.shards import sha256_file
 
     features = copy(r.features, tmp / "features")
     path = first_shard(features)

@@ -23,14 +23,8 @@ from eagle import fileio
 from eagle.errors import EagleError
 from eagle.targets import Target
 from eagle.testing import tiny_model
-from train.collect import (
-    CollectConfig,
-    FeatureShards,
-    ShardPlan,
-    collect,
-    plan_shards,
-    sha256_file,
-)
+from train.collect import CollectConfig, ShardPlan, collect, plan_shards
+from train.shards import FeatureShards, sha256_file
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_collect_worker.py"

@@ -1,7 +1,7 @@
 """``eagle demo`` end to end on a tiny random target saved as a model folder (with SmolLM2's tokenizer).
 
 The same pipeline a user runs (prepare with regeneration -> collect -> train -> export -> eval), driven through
-``eagle.cli.main``, then: every artefact is where ARCHITECTURE.md / DESIGN.md say, the exported EAGLE-3 head
+``recipes.cli.main``, then: every artefact is where docs/ARCHITECTURE.md says, the exported EAGLE-3 head
 reloads and decodes losslessly, a rerun skips every stage without touching a file, and online mode works.
 """
 
@@ -16,17 +16,18 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from eagle.cli import main
 from eagle.drafter import HeadDrafter
 from eagle.evaluate import eos_token_ids
 from eagle.export import load_exported_head
+from eagle.sampling import Sampling
 from eagle.speculate import speculative_generate
 from eagle.targets import load_target, load_tokenizer
-from eagle.testing import check_greedy_report_section, save_tiny_target
+from eagle.testing import check_greedy_report_section
 from eagle.tree import TreeConfig
+from recipes.cli import main
 from train.checkpoint import load_head_files
-from train.collect import FeatureShards
 from train.regen_features import CapturedFeatures, CaptureSpec
+from train.shards import FeatureShards
 
 VOCAB = 49152  # SmolLM2's tokenizer: its ids must be valid for the tiny model
 HIDDEN = 32
@@ -51,11 +52,11 @@ EAGLE3_KEYS = {
 
 
 @pytest.fixture(scope="module")
-def workspace(tmp_path_factory) -> dict[str, Path]:
-    """A tiny target folder (random llama + SmolLM2 tokenizer with its chat template), ShareGPT data, prompts."""
+def workspace(tmp_path_factory, tiny_target_folder) -> dict[str, Path]:
+    """The shared tiny target folder (random llama + SmolLM2 tokenizer with its chat template), ShareGPT data,
+    prompts."""
     root = tmp_path_factory.mktemp("e2e")
-    target = root / "tiny-target"
-    save_tiny_target(target, "llama", vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=2)
+    target = tiny_target_folder
     sharegpt = root / "sharegpt.jsonl"
     records = [
         {
@@ -227,46 +228,61 @@ def test_demo_writes_every_artefact(offline_run, workspace):
     # regeneration, training and evaluation ran with their share of the 30-minute budget as a time limit
     limited = {name for name, s in stamps.items() if s.get("time_limit_minutes")}
     assert limited == {"prepare", "train", "eval"}
-    from train.pipeline import STAGE_WEIGHT
+    from recipes.demo import STAGE_WEIGHT
 
     share = STAGE_WEIGHT["prepare"]  # the demo config keeps regeneration's features: collect weighs little
     assert share * 27 < stamps["prepare"]["time_limit_minutes"] <= share * 27.5  # (30 - 2.5 reserved) x its share
 
 
 def test_stage_time_limits_share_the_time_left():
-    from train.config import RunConfig
-    from train.pipeline import (
+    from recipes.config import RunConfig
+    from recipes.demo import (
         COLLECT_WEIGHT_UNCAPTURED,
         MIN_STAGE_MINUTES,
-        _limit_stage,
-        _stage_hash,
+        limit_stage,
+        stage_hash,
         stage_weights,
     )
 
     cfg = RunConfig()
-    key = _stage_hash(cfg, "eval")
+    key = stage_hash(cfg, "eval")
     stages = ["prepare", "collect", "train", "export", "eval"]
     weights = stage_weights(cfg)
     assert weights["collect"] == COLLECT_WEIGHT_UNCAPTURED  # no regeneration: collect runs the target itself
     share = weights["prepare"] / sum(weights.values())
-    assert _limit_stage(cfg, "prepare", stages, 1200.0) == pytest.approx(20 * share)
+    assert limit_stage(cfg, "prepare", stages, 1200.0) == pytest.approx(20 * share)
     assert cfg.data.regen_max_minutes == pytest.approx(20 * share)
     cfg.data.regenerate = cfg.data.capture_features = True  # features kept by regeneration: collect only copies
     cfg.data.regen_max_minutes = None
     assert stage_weights(cfg)["collect"] < weights["collect"] / 5
-    assert _limit_stage(cfg, "prepare", stages, 1200.0) > 20 * share
-    key = _stage_hash(cfg, "eval")
-    assert _limit_stage(cfg, "collect", stages[1:], 900.0) is None  # collect scales with the data instead
+    assert limit_stage(cfg, "prepare", stages, 1200.0) > 20 * share
+    key = stage_hash(cfg, "eval")
+    assert limit_stage(cfg, "collect", stages[1:], 900.0) is None  # collect scales with the data instead
     weights = stage_weights(cfg)
     share = weights["train"] / sum(weights[s] for s in stages[2:])
-    assert _limit_stage(cfg, "train", stages[2:], 600.0) == pytest.approx(10 * share)
-    assert _limit_stage(cfg, "eval", ["eval"], 300.0) == pytest.approx(5.0)  # the last stage gets all that is left
-    assert _limit_stage(cfg, "eval", ["eval"], -60.0) == MIN_STAGE_MINUTES  # over budget: still a minimum
+    assert limit_stage(cfg, "train", stages[2:], 600.0) == pytest.approx(10 * share)
+    assert limit_stage(cfg, "eval", ["eval"], 300.0) == pytest.approx(5.0)  # the last stage gets all that is left
+    assert limit_stage(cfg, "eval", ["eval"], -60.0) == MIN_STAGE_MINUTES  # over budget: still a minimum
     cfg.eval.max_minutes = None
     cfg.train.max_minutes = 2.0  # a smaller limit of the user's own stays
-    assert _limit_stage(cfg, "train", stages[2:], 6000.0) == 2.0
+    assert limit_stage(cfg, "train", stages[2:], 6000.0) == 2.0
     # the limits depend on the time left, so they are not part of a stage's identity (a rerun still resumes)
-    assert _stage_hash(cfg, "eval") == key
+    assert stage_hash(cfg, "eval") == key
+
+
+def test_a_budget_scales_the_config_but_never_raises_what_it_set_lower():
+    from recipes.config import RunConfig
+    from recipes.demo import apply_budget
+
+    cfg = RunConfig()
+    cfg.data.max_conversations, cfg.train.max_steps, cfg.eval.max_prompts = 12, 6, 2
+    apply_budget(cfg, 2.0)  # a 2-minute budget: the scaled values fall below the floors
+    assert (cfg.data.max_conversations, cfg.train.max_steps, cfg.eval.max_prompts) == (12, 6, 2)
+    cfg.data.max_conversations, cfg.train.max_steps, cfg.eval.max_prompts = 3000, 900, 40
+    apply_budget(cfg, 15.0)
+    assert (cfg.data.max_conversations, cfg.train.max_steps, cfg.eval.max_prompts) == (1500, 450, 20)
+    apply_budget(cfg, 1.0)
+    assert (cfg.data.max_conversations, cfg.train.max_steps, cfg.eval.max_prompts) == (50, 20, 4)
 
 
 def test_exported_head_reloads_and_decodes_losslessly(offline_run, workspace):
@@ -300,7 +316,7 @@ def test_exported_head_reloads_and_decodes_losslessly(offline_run, workspace):
             )[0, ids.shape[1] :].tolist()
         for tree in trees:
             result = speculative_generate(
-                target.model, HeadDrafter(head), ids, MAX_NEW, tree, eos_token_ids=eos
+                target.model, HeadDrafter(head), ids, MAX_NEW, tree, sampling=Sampling(eos_token_ids=eos)
             )
             assert result.tokens == reference, (tree.policy, text[:30])
             # every verification forward yields its accepted drafts + 1; the prefill adds one token; the
@@ -344,8 +360,9 @@ def test_online_mode_demo(workspace, capsys):
 def test_data_stages_prepack_the_target_they_load(workspace, tmp_path, monkeypatch, prepack):
     """target.cpu_prepack: regeneration (prepare) and collect run on a prepacked copy of the target on a CPU."""
     import eagle.targets as T
-    from train.config import load_config
-    from train.pipeline import run_collect, run_prepare
+    from recipes.collect import run as run_collect
+    from recipes.config import load_config
+    from recipes.prepare import run as run_prepare
 
     swapped: list[int] = []
     real = T.prepack_for_cpu

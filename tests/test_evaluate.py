@@ -228,15 +228,15 @@ def test_tree_sweep_runs_every_tree_with_every_draft_dtype(target, draft_dir, pr
     import torch
 
     from eagle.drafter import HeadDrafter
-    from eagle.evaluate import load_prompt_sets
     from eagle.export import load_exported_head
+    from eagle.prompts import load_prompt_sets
 
     tree_sweep = _load_script("tree_sweep")
     drafters = {
         str(d).removeprefix("torch."): HeadDrafter(load_exported_head(draft_dir, target, dtype=d))
         for d in (torch.float32, torch.bfloat16)
     }
-    sets = load_prompt_sets(EvalConfig(prompts=[str(prompts_file)]), target.tokenizer)
+    sets = load_prompt_sets([str(prompts_file)], target.tokenizer)
     prompts = [(s, pid, ids) for s, items in sets for pid, ids in items]
     trees = {
         "chain:2": tree_sweep.parse_tree("chain:2"),
@@ -261,13 +261,13 @@ def test_tree_sweep_compares_heads_prompt_by_prompt(target, draft_dir, prompts_f
     head under two names must come out identical on every prompt."""
     tree_sweep = _load_script("tree_sweep")
     from eagle.drafter import HeadDrafter
-    from eagle.evaluate import load_prompt_sets
     from eagle.export import load_exported_head
+    from eagle.prompts import load_prompt_sets
 
     drafts = tree_sweep.parse_drafts([f"a={draft_dir}", f"b={draft_dir}"])
     assert list(drafts) == ["a", "b"]
     drafters = {name: HeadDrafter(load_exported_head(folder, target)) for name, folder in drafts.items()}
-    sets = load_prompt_sets(EvalConfig(prompts=[str(prompts_file)]), target.tokenizer)
+    sets = load_prompt_sets([str(prompts_file)], target.tokenizer)
     prompts = [(s, pid, ids) for s, items in sets for pid, ids in items]
     result = tree_sweep.sweep(target, drafters, prompts, {"chain:2": tree_sweep.parse_tree("chain:2")}, 6)
     assert {r["tree"] for r in result["rows"]} == {"plain", "chain:2@a", "chain:2@b"}
@@ -379,13 +379,13 @@ def test_time_limit_runs_the_sets_in_turn_and_keeps_a_minimum(tmp_path, target, 
         files.append(str(path))
     clock = [0.0]
     monkeypatch.setattr(E, "Deadline", lambda minutes: Deadline(minutes, clock=lambda: clock[0]))
-    real = E._run_prompt
+    real = E._Methods.run
 
-    def twenty_seconds(*args, **kwargs):
+    def twenty_seconds(self, *args, **kwargs):
         clock[0] += 20.0
-        return real(*args, **kwargs)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(E, "_run_prompt", twenty_seconds)
+    monkeypatch.setattr(E._Methods, "run", twenty_seconds)
     base = dict(prompts=files, max_new_tokens=4, prompt_lookup=False)
     said = io.StringIO()
     console = Console(file=said, width=200)

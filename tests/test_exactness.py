@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eagle.exactness import NEAR_TIE_RTOL, diagnose_mismatch, first_mismatch, mismatch_note, mismatch_summary
+from eagle.sampling import Sampling
 from eagle.speculate import plain_generate
 from eagle.testing import tiny_model
 
@@ -19,7 +20,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def greedy(model):
-    return plain_generate(model, torch.tensor([PROMPT]), 10, temperature=0.0).tokens
+    return plain_generate(model, torch.tensor([PROMPT]), 10, sampling=Sampling(temperature=0.0)).tokens
 
 
 def _logits_after(model, ids):
@@ -100,3 +101,86 @@ def test_a_length_only_difference_is_flagged(model, greedy):
 
 def test_no_note_when_everything_matched():
     assert mismatch_note(mismatch_summary([None, None], torch.float32)) is None
+
+
+# ------------------------------------------------------------------- the referee judged on real decoding runs
+
+
+@pytest.mark.slow
+def test_a_real_bf16_difference_is_refereed_a_near_tie(smollm2_head):
+    """SmolLM2 in bf16: a tree verification rounds differently from a one-token step, and somewhere on the dev
+    prompts the texts part. The referee must call that a near-tie (it is one: fp32 decoding matches everywhere,
+    tests/test_smollm2_lossless.py)."""
+    from eagle.drafter import HeadDrafter
+    from eagle.export import load_exported_head
+    from eagle.prompts import load_prompts, prompt_token_ids
+    from eagle.speculate import speculative_generate
+    from eagle.targets import load_target
+    from eagle.tree import TreeConfig
+
+    target = load_target("smollm2-135m-instruct", dtype="bfloat16")
+    head = load_exported_head(smollm2_head.export.output_dir, target, dtype=torch.bfloat16)
+    sampling = Sampling(eos_token_ids=(target.tokenizer.eos_token_id,))
+    tree = TreeConfig("dynamic", depth=4, top_k=4, total_tokens=16)
+    verdicts = []
+    for row in load_prompts("dev-chat")[:10] + load_prompts("dev-code")[:10]:
+        ids = prompt_token_ids(row, target.tokenizer)
+        plain = plain_generate(target.model, torch.tensor([ids]), 64, sampling).tokens
+        spec = speculative_generate(target.model, HeadDrafter(head), torch.tensor([ids]), 64, tree, sampling).tokens
+        verdict = diagnose_mismatch(target.model, ids, plain, spec)
+        if verdict is not None:
+            verdicts.append(verdict)
+        if len(verdicts) >= 2:
+            break
+    assert verdicts, "no bf16 difference on 20 prompts: the test would pass vacuously"
+    assert all(v["near_tie"] is True for v in verdicts), verdicts
+
+
+def _rows_off_by_one(monkeypatch) -> None:
+    """Plant a bug: verification reads each tree node's logits from the next node's row (an index off by one),
+    so the loop emits tokens the target does not rank first."""
+    import eagle.speculate as S
+    from eagle.verify import LazyRows
+
+    real = S.node_logits
+
+    def planted(out, logit_map, n, kept):
+        rows = real(out, logit_map, n, kept)
+        return LazyRows(lambda node: rows[min(int(node) + 1, n - 1)])
+
+    monkeypatch.setattr(S, "node_logits", planted)
+
+
+@pytest.mark.parametrize("plant", [False, True], ids=["as-is", "logit-rows-off-by-one"])
+def test_eagle_eval_calls_a_planted_bug_a_bug_in_its_report_and_exit_status(tmp_path, tiny_target_folder,
+                                                                          monkeypatch, plant):
+    """``eagle eval`` on a tiny target with a random head: as it is, every output matches plain decoding (exit
+    0); with verification reading each node's logits one row off, the referee finds differences that are not
+    near-ties, the report says so and the command exits with status 1."""
+    import json
+
+    from eagle.export import export_head
+    from eagle.heads import HeadConfig, build_head
+    from eagle.targets import load_target
+    from recipes.cli import main
+
+    target = load_target(str(tiny_target_folder))
+    torch.manual_seed(0)
+    head = build_head(HeadConfig.from_target(target.config, "eagle3", draft_vocab_size=512,
+                                             target_name=target.name, target_fingerprint=target.fingerprint))
+    export = export_head(head, tmp_path / "export", dtype="float32", target=target)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": str(i), "prompt": f"Count from {i} to {i + 9}:"}) + "\n"
+                               for i in range(4)))
+    if plant:
+        _rows_off_by_one(monkeypatch)
+    report = tmp_path / "eval" / "report.json"
+    status = main(["eval", "--target", str(tiny_target_folder), "--draft", str(export), "--prompts", str(prompts),
+                   "--max-new-tokens", "12", "--out", str(report), f"run_dir={tmp_path}", "eval.warmup=0",
+                   "eval.prompt_lookup=false", "eval.chain_depth=0", "eval.draft_dtype=float32",
+                   "eval.tree.policy=chain", "eval.tree.depth=3", "eval.cpu_prepack=false"])
+    verdict = json.loads(report.read_text())["greedy_mismatches"]
+    if plant:
+        assert status == 1 and verdict["not_near_ties"] >= 1, verdict
+    else:
+        assert status == 0 and verdict["mismatched"] == 0, verdict

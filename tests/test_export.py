@@ -122,7 +122,7 @@ def test_bf16_export_is_exact_at_the_export_dtype(tmp_path, target):
 
 
 def test_eagle3_layout_matches_design(tmp_path, target):
-    """shared/DESIGN.md: keys, shapes and dtypes of the EAGLE-3 export, written out by hand."""
+    """docs/ARCHITECTURE.md ("Export layouts"): keys, shapes and dtypes of the EAGLE-3 export, written out by hand."""
     out = export_head(_head(target), tmp_path / "draft", layout="eagle3", dtype="bfloat16", target=target)
     h, k, inter, q, kv, bf = 64, 3, 128, 4 * 16, 2 * 16, torch.bfloat16
     expected = {

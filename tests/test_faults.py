@@ -36,9 +36,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eagle.errors import EagleError
+from eagle.heads import HeadConfig
 from train import checkpoint as ck
 from train.logging import read_metrics
-from train.trainer import HeadSpec, TrainConfig, train
+from train.trainer import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -246,7 +247,7 @@ def test_training_killed_at_random_points_resumes_to_the_same_weights(
     counter = Injector()
     with monkeypatch.context() as m:
         arm_training(counter, m.setattr)
-        train(target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(reference))
+        train(target=bigram_target, features_dir=features, head=HeadConfig(**HEAD), cfg=train_cfg(reference))
     events = counter.count
     assert events > 24 + 6 * 6  # forwards (train + eval) and the file operations of 6 checkpoints + final
 
@@ -269,7 +270,7 @@ def test_training_killed_at_random_points_resumes_to_the_same_weights(
     assert kills >= len(SEEDS)  # the first kill of every seed falls inside a run
 
     for seed, out in runs.items():
-        result = train(target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(out))
+        result = train(target=bigram_target, features_dir=features, head=HeadConfig(**HEAD), cfg=train_cfg(out))
         assert result.global_step == 24
         assert same_weights(reference / "final", out / "final"), seed  # bit for bit
         ref, got = losses(reference), losses(out)
@@ -375,7 +376,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(
     _, features = bigram_data
     kw = dict(max_steps=6, save_every=2, eval_every=0)
     reference = tmp_path / "reference"
-    train(target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(reference, **kw))
+    train(target=bigram_target, features_dir=features, head=HeadConfig(**HEAD), cfg=train_cfg(reference, **kw))
 
     out = tmp_path / "run"
     kept: dict = {}
@@ -389,7 +390,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(
             train(
                 target=bigram_target,
                 features_dir=features,
-                head=HeadSpec(**HEAD),
+                head=HeadConfig(**HEAD),
                 cfg=train_cfg(out, **kw),
                 on_checkpoint=remember,
             )
@@ -399,7 +400,7 @@ def test_full_disk_during_a_checkpoint_keeps_the_previous_one(
 
     # space freed: the same command resumes from step 2 and ends where an uninterrupted run ends
     result = train(
-        target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(out, **kw)
+        target=bigram_target, features_dir=features, head=HeadConfig(**HEAD), cfg=train_cfg(out, **kw)
     )
     assert result.resumed_from.name == "step-0000002" and result.global_step == 6
     assert same_weights(reference / "final", out / "final")
@@ -427,7 +428,7 @@ def test_full_disk_on_a_real_small_tmpfs(tmp_path, bigram_data, bigram_target):
     _, features = bigram_data
     kw = dict(max_steps=6, save_every=2, eval_every=0, log_every=100)
     reference = tmp_path / "reference"
-    train(target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(reference, **kw))
+    train(target=bigram_target, features_dir=features, head=HeadConfig(**HEAD), cfg=train_cfg(reference, **kw))
     one = _page_bytes(reference / "checkpoints" / "step-0000002")
     base = sum(_page_bytes(reference, name) for name in ("draft_vocab.*", "metrics.jsonl"))
     size = base + one + one // 2 + 8 * 4096  # room for the first checkpoint, not for the second
@@ -441,7 +442,7 @@ def test_full_disk_on_a_real_small_tmpfs(tmp_path, bigram_data, bigram_target):
             train(
                 target=bigram_target,
                 features_dir=features,
-                head=HeadSpec(**HEAD),
+                head=HeadConfig(**HEAD),
                 cfg=train_cfg(out, **kw),
                 on_checkpoint=lambda path, step: kept.update(complete_checkpoints(out)),
             )
@@ -449,7 +450,7 @@ def test_full_disk_on_a_real_small_tmpfs(tmp_path, bigram_data, bigram_target):
         _check_full_disk_outcome(out, kept, 4, info.value)
         subprocess.run(["mount", "-o", "remount,size=64m", str(mount)], check=True)
         result = train(
-            target=bigram_target, features_dir=features, head=HeadSpec(**HEAD), cfg=train_cfg(out, **kw)
+            target=bigram_target, features_dir=features, head=HeadConfig(**HEAD), cfg=train_cfg(out, **kw)
         )
         assert result.resumed_from.name == "step-0000002" and result.global_step == 6
         assert same_weights(reference / "final", out / "final")
@@ -462,7 +463,7 @@ def test_full_disk_on_a_real_small_tmpfs(tmp_path, bigram_data, bigram_target):
 
 def _poison_first_sequence(features: Path, out: Path) -> Path:
     """A copy of the features with NaN target features for the first sequence of the first train shard."""
-    from train.collect import sha256_file
+    from train.shards import sha256_file
 
     shutil.copytree(features, out)
     manifest = json.loads((out / "manifest.json").read_text())
@@ -481,7 +482,7 @@ def _poison_first_sequence(features: Path, out: Path) -> Path:
 
 def test_nonfinite_loss_skips_or_stops_and_says_so(tmp_path, bigram_data, capsys):
     """Through the command line: bad data makes one batch per epoch non-finite."""
-    from eagle import cli
+    from recipes import cli
 
     _, features = bigram_data
     poisoned = _poison_first_sequence(features, tmp_path / "features")

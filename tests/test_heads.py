@@ -11,8 +11,8 @@ import torch
 from transformers import LlamaConfig
 
 from eagle.errors import EagleError
+from eagle.features import default_aux_layers
 from eagle.heads import Eagle1Head, Eagle3Head, HeadCache, HeadConfig, build_head
-from eagle.targets import default_aux_layers
 from eagle.testing import FAMILIES, tiny_model
 
 AUX = [1, 2, 3]
@@ -253,7 +253,7 @@ def test_config_roundtrip_and_errors():
     again = HeadConfig.from_dict(json.loads(json.dumps(cfg.to_dict())))
     assert again == cfg
     with pytest.raises(
-        EagleError, match=r"draft vocabulary \(300\) is larger than the target's vocabulary \(256\)"
+        EagleError, match=r"head.draft_vocab_size=300 is larger than the target.s vocabulary \(256\): lower head.draft_vocab_size"
     ):
         HeadConfig.from_target(target.config, kind="eagle3", draft_vocab_size=300, aux_layers=AUX)
     with pytest.raises(EagleError, match="lower head.draft_vocab_size"):

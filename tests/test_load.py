@@ -24,6 +24,7 @@ import torch
 from rich.console import Console
 
 from eagle.drafter import HeadDrafter
+from eagle.sampling import Sampling
 from eagle.speculate import plain_generate, speculative_generate
 from eagle.targets import Target
 from eagle.testing import tiny_model
@@ -89,7 +90,7 @@ def test_eval_over_500_prompts_keeps_memory_flat_and_output_lossless(tmp_path, m
     prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
     samples: dict[int, int] = {}
-    real_run = ev._run_prompt
+    real_run = ev._Methods.run  # one prompt through every method
 
     def measured(*args, **kwargs):
         out = real_run(*args, **kwargs)
@@ -99,7 +100,7 @@ def test_eval_over_500_prompts_keeps_memory_flat_and_output_lossless(tmp_path, m
         return out
 
     measured.calls = 0
-    monkeypatch.setattr(ev, "_run_prompt", measured)
+    monkeypatch.setattr(ev._Methods, "run", measured)
     config = ev.EvalConfig(
         draft=str(draft),
         prompts=[str(prompts)],
@@ -157,8 +158,8 @@ def test_4000_new_tokens_keep_memory_flat_and_output_lossless():
 
     drafter = MeasuredDrafter(HeadDrafter(head))
     with torch.no_grad():
-        spec = speculative_generate(model, drafter, prompt, new_tokens, tree, eos_token_ids=())
-        plain = plain_generate(model, prompt, new_tokens, eos_token_ids=())
+        spec = speculative_generate(model, drafter, prompt, new_tokens, tree, sampling=Sampling(eos_token_ids=()), )
+        plain = plain_generate(model, prompt, new_tokens, sampling=Sampling(eos_token_ids=()), )
     assert len(spec.tokens) == len(plain.tokens) == new_tokens
     assert spec.tokens == plain.tokens  # lossless over the whole length
 

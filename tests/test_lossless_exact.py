@@ -25,6 +25,7 @@ from _lossless import enumerate_outputs, target_sequence_probs, tiny_target, tot
 import eagle.speculate
 from eagle.drafter import Drafter, HeadDrafter, OracleDrafter
 from eagle.heads import HeadConfig, build_head
+from eagle.sampling import Sampling
 from eagle.speculate import speculative_generate
 from eagle.tree import DraftTree, TreeConfig
 from eagle.verify import Decisions
@@ -92,8 +93,9 @@ def generator_for(case: Case, length: int = L) -> Callable[[Decisions], list[int
     """``generate(decisions) -> tokens`` for :func:`enumerate_outputs`: the loop with a fresh drafter."""
 
     def generate(decisions: Decisions) -> list[int]:
-        kwargs = dict(case.sampling, generator=decisions, lazy_logits=case.lazy_logits)
-        return speculative_generate(target(), case.make_drafter(), PROMPT, length, case.tree, **kwargs).tokens
+        return speculative_generate(target(), case.make_drafter(), PROMPT, length, case.tree,
+                                    sampling=Sampling(**case.sampling), generator=decisions,
+                                    lazy_logits=case.lazy_logits).tokens
 
     return generate
 

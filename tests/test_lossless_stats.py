@@ -27,6 +27,7 @@ import pytest
 import torch
 from _lossless import V, target_sequence_probs, tiny_target
 
+from eagle.sampling import Sampling
 from eagle.speculate import speculative_generate
 from eagle.tree import DraftTree, TreeConfig, tree_from_parents
 from eagle.verify import TorchDecisions
@@ -102,7 +103,8 @@ def draw_outputs(n: int) -> Counter:
         gen = torch.Generator().manual_seed(seed)
         for _ in range(n // SEEDS + (seed < n % SEEDS)):
             out = speculative_generate(
-                target(), TableDrafter(), PROMPT, L, TreeConfig("chain", depth=2), generator=gen, **SAMPLING
+                target(), TableDrafter(), PROMPT, L, TreeConfig("chain", depth=2), sampling=Sampling(**SAMPLING),
+                generator=gen,
             )
             counts[tuple(out.tokens)] += 1
     return counts

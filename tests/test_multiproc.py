@@ -1,8 +1,12 @@
-"""Data parallel training on CPU: two gloo processes (torchrun DDP, and DeepSpeed ZeRO-2 under the deepspeed
-launcher) train on exactly the data of one process with twice the batch, so their loss curves must agree.
+"""Several processes on CPU (gloo), through the real entry point ``python -m recipes STAGE --config run.yaml``:
 
-Both launches go through the real entry point, ``python -m train.trainer --config run.yaml key=value``, and run
-at the same time as the one-process reference (they are mostly start-up time)."""
+- data-parallel training (torchrun DDP, DeepSpeed ZeRO-2 and ZeRO-3 under the deepspeed launcher, and two
+  "nodes" of one process each started by scripts/launch_multinode.sh on localhost) trains on exactly the data of
+  one process with twice the batch, so the loss curves and final weights must agree with that process's;
+- online training with the frozen target sharded across two processes (``target.shard: auto``): each holds
+  about half of the target, and the loss curve is the one-process curve;
+- regeneration split across two processes writes the same data as one process, also when killed and resumed.
+"""
 
 from __future__ import annotations
 
@@ -39,9 +43,10 @@ def _run_config(tmp: Path) -> Path:
     micro-batch counts the same number of tokens and per-process means average to the global mean."""
     target = W.save_target_folder(tmp / "target")
     data = W.make_prepared(tmp / "data", n_train=48, n_val=8, length=24, prefix=0)
+    (data / "prepare_meta.json").write_text("{}")  # what scripts/launch_multinode.sh checks is there
     config = {
         "run_dir": str(tmp / "run"),
-        "target": {"name": str(target)},
+        "target": {"name": str(target), "shard": "none"},
         "data": {"output_dir": str(data)},
         "head": {"kind": "eagle3", "draft_vocab_size": 128},
         "train": {
@@ -71,7 +76,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("multiproc")
     config = _run_config(tmp)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    module = ["-m", "train.trainer", "--config", str(config)]
+    module = ["-m", "recipes", "train", "--config", str(config)]
     torchrun = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port())]
     deepspeed = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()), "--module"]
     procs = {
@@ -95,11 +100,26 @@ def runs(tmp_path_factory):
             env=env,
         ),
     }
+    launches = {
+        "zero3": [*deepspeed[:4], str(_free_port()), "--module", *module[1:], f"train.output_dir={tmp / 'zero3'}",
+                  f"train.deepspeed={ROOT / 'configs' / 'deepspeed' / 'zero3.json'}", "target.shard=none"],
+        "sharded": [*torchrun[:3], "--master_port", str(_free_port()), *module, f"train.output_dir={tmp / 'sharded'}",
+                    "target.shard=auto"],
+    }
+    for name, command in launches.items():
+        procs[name] = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    port = str(_free_port())
+    for node in ("0", "1"):  # two "nodes" on localhost, one process each, through the multi-node launcher
+        node_env = {**env, "NNODES": "2", "NODE_RANK": node, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                    "GPUS_PER_NODE": "1", "LAUNCHER": "torchrun", "CONFIG": str(config)}
+        procs[f"node{node}"] = subprocess.Popen(
+            ["bash", str(ROOT / "scripts" / "launch_multinode.sh"), f"train.output_dir={tmp / 'nodes'}",
+             "target.shard=none"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=node_env)
 
     from accelerate.state import AcceleratorState, GradientState
 
-    from train.config import load_config
-    from train.trainer import train
+    from recipes.config import load_config
+    from recipes.train import run as train
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -111,7 +131,7 @@ def runs(tmp_path_factory):
         GradientState._reset_state()
     logs = {}
     for name, proc in procs.items():
-        out, _ = proc.communicate(timeout=300)
+        out, _ = proc.communicate(timeout=900)
         logs[name] = (proc.returncode, out)
     return tmp, logs
 
@@ -151,11 +171,96 @@ def test_ddp_two_processes_match_one(runs):
     assert (tmp / "ddp" / "checkpoints" / "step-0000008" / "optimizer.pt").is_file()
 
 
-def test_deepspeed_zero2_two_processes_match_one(runs):
+@pytest.mark.parametrize("stage, files", [("zero2", "*optim_states.pt"), ("zero3", "*model_states.pt")])
+def test_deepspeed_two_processes_match_one(runs, stage, files):
+    """ZeRO-2 writes one optimizer shard per process; ZeRO-3 also partitions the head's parameters (one model-state
+    file per process)."""
     tmp, logs = runs
-    code, out = logs["zero2"]
+    code, out = logs[stage]
     assert code == 0, out[-3000:]
     assert "2 process(es) under DeepSpeed" in out
-    _check_same_curve(tmp, "zero2")
-    shards = list((tmp / "zero2" / "checkpoints" / "step-0000008" / "deepspeed").rglob("*optim_states.pt"))
-    assert len(shards) == 2  # ZeRO-2: one optimizer shard per process
+    _check_same_curve(tmp, stage)
+    assert len(list((tmp / stage / "checkpoints" / "step-0000008" / "deepspeed").rglob(files))) == 2
+
+
+def test_two_nodes_train_like_one_process_with_two_ranks(runs):
+    tmp, logs = runs
+    for node in ("node0", "node1"):
+        code, out = logs[node]
+        assert code == 0, out[-3000:]
+    assert "node 0 of 2" in logs["node0"][1] and "node 1 of 2" in logs["node1"][1]
+    _check_same_curve(tmp, "nodes")
+    a, b = (load_file(str(tmp / d / "final" / "model.safetensors")) for d in ("ddp", "nodes"))
+    for key in a:  # the same weights as one node with two ranks
+        assert torch.allclose(a[key], b[key], atol=1e-6), key
+
+
+def test_a_sharded_target_holds_half_a_copy_and_trains_the_same(runs):
+    tmp, logs = runs
+    code, out = logs["sharded"]
+    assert code == 0, out[-3000:]
+    import re
+
+    held = re.findall(r"target sharded across 2 processes: this process holds ([\d,]+) of ([\d,]+) parameters", out)
+    assert len(held) == 1, out[-3000:]
+    local, whole = (int(x.replace(",", "")) for x in held[0])
+    # the decoder layers are split in two, the (small) embeddings and lm_head are kept whole
+    assert 0.45 * whole < local < 0.6 * whole, held
+    _check_same_curve(tmp, "sharded")
+
+
+def _prepare_command(config: Path, out: Path, processes: int) -> list[str]:
+    stage = ["-m", "recipes", "prepare", "--config", str(config), f"data.output_dir={out}"]
+    if processes == 1:
+        return [sys.executable, *stage]
+    return [str(BIN / "torchrun"), "--nproc_per_node", str(processes), "--master_port", str(_free_port()), *stage]
+
+
+def _prepared(out: Path) -> dict:
+    from datasets import load_from_disk
+
+    return {split: load_from_disk(str(out / split)).to_dict() for split in ("train", "val")} | {
+        "ids": json.loads((out / "split_ids.json").read_text())}
+
+
+def test_regeneration_across_two_processes_writes_the_data_of_one_and_resumes(tmp_path, tiny_target_folder):
+    """`eagle prepare` with regeneration under torchrun: each process answers every other batch of the one
+    plan, so the prepared data is byte for byte the one-process data; killed after its first batches and run
+    again, it answers only the rest."""
+    import signal
+    import time
+
+    config = tmp_path / "prepare.yaml"
+    config.write_text(yaml.safe_dump({
+        "run_dir": str(tmp_path / "run"),
+        "target": {"name": str(tiny_target_folder), "cpu_prepack": False},
+        "data": {"sources": ["chitchat:24"], "max_conversations": 24, "regenerate": True, "regen_max_new_tokens": 6,
+                 "regen_batch_size": 3, "max_length": 128, "capture_features": True},
+    }))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    one = subprocess.run(_prepare_command(config, tmp_path / "one", 1), env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert one.returncode == 0, one.stdout[-2000:] + one.stderr[-2000:]
+    # two processes, killed once each has answered a batch or so (a second per batch)
+    two = tmp_path / "two"
+    proc = subprocess.Popen(_prepare_command(config, two, 2), env={**env, "EAGLE_REGEN_SLOW": "1"},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and sum(len(p.read_text().splitlines()) for p in two.glob("regen-*.r*.jsonl")) < 6:
+        time.sleep(0.5)
+    # torchrun starts each worker in a session of its own: kill the whole tree, workers first
+    import psutil
+
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        child.kill()
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = {p.name: len(p.read_text().splitlines()) for p in two.glob("regen-*.r*.jsonl")}
+    assert len(before) == 2 and sum(before.values()) >= 6, before  # both processes had answered
+    again = subprocess.run(_prepare_command(config, two, 2), env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "resuming with" in again.stdout + again.stderr
+    assert _prepared(two) == _prepared(tmp_path / "one")
+    merged = next(two.glob("regen-*.jsonl"))
+    assert not list(two.glob("regen-*.r*.jsonl"))  # merged into one answers file
+    assert len(merged.read_text().splitlines()) == 24

@@ -10,10 +10,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from eagle import datasets as D
+from eagle import prompts as PR
+from eagle import records as REC
+from eagle.devices import model_dtype
 from eagle.errors import EagleError
+from train import chat_template as CT
 from train import prepare as P
+from train import regenerate as R
 from train import sources as S
-from train.prepare import DataConfig, prepare, tokenize_conversation
+from train import stdlib_code as SC
+from train.chat_template import tokenize_conversation
+from train.prepare import DataConfig, prepare
 
 LLAMA3_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
@@ -78,7 +86,7 @@ def test_loss_mask_is_exactly_assistant_content_plus_end_of_turn(tok, style):
     # the ids are the template's own tokenization of the whole rendered text
     rendered = t.apply_chat_template(CONVERSATION, tokenize=False)
     assert ids == t(rendered, add_special_tokens=False)["input_ids"]
-    assert P.end_of_turn_ids(t) >= {t.convert_tokens_to_ids(eot)}
+    assert CT.end_of_turn_ids(t) >= {t.convert_tokens_to_ids(eot)}
 
 
 def test_loss_mask_with_explicit_system_and_consecutive_assistants(tok):
@@ -128,7 +136,7 @@ def test_sharegpt_openai_json_and_jsonl(tmp_path):
     as_list = tmp_path / "mixed.json"
     as_list.write_text(json.dumps([sharegpt, openai], indent=2), encoding="utf-8")
     for path in (jsonl, as_list):
-        convs = list(S.read_chat_file(path))
+        convs = list(REC.read_chat_file(path))
         assert [m["role"] for m in convs[0]] == ["system"] + ["user", "assistant"] * 4
         assert [m["content"] for m in convs[0]][-2:] == ["q4", "a4"]
         assert convs[1] == [{"role": "user", "content": "parts"}, {"role": "assistant", "content": "ok"}]
@@ -162,31 +170,31 @@ def test_chitchat_merges_and_alternates_speakers():
             [{"sender": "A", "text": "great"}],
         ]
     }
-    assert S._chitchat_messages(record) == [
+    assert D._chitchat_messages(record) == [
         {"role": "user", "content": "hi\nanyone?"},
         {"role": "assistant", "content": "yes\nme"},
         {"role": "user", "content": "great"},
     ]
     # the published dev-chat prompts are the first (merged) user turns of reserve conversations
-    dev = S.load_prompts("dev-chat")
-    reserve = dict(S._chitchat_items("eval"))
+    dev = PR.load_prompts("dev-chat")
+    reserve = dict(D.chitchat_items("eval"))
     for p in dev[:10]:
         assert p["messages"][0]["content"] == reserve[p["id"].removeprefix("chat-")][0]["content"]
 
 
 def test_chitchat_reserve_never_in_training():
-    keys = sorted(S._chitchat_data())
-    reserve = {f"chitchat:{k}" for k in keys[-S.CHITCHAT_EVAL_RESERVE :]}
+    keys = sorted(D._chitchat_data())
+    reserve = {f"chitchat:{k}" for k in keys[-D.CHITCHAT_EVAL_RESERVE :]}
     train = S.load_source("chitchat")
     assert len(train) == len(keys) - 1000 and not reserve & {c.id for c in train}
-    assert len(list(S.chitchat_conversations("eval"))) == 1000
+    assert len(list(D.chitchat_items("eval"))) == 1000
     assert [c.id for c in S.load_source("chitchat:5")] == [f"chitchat:{k}" for k in keys[:5]]
     with pytest.raises(EagleError, match="evaluation-only"):
         S.load_source("dev-chat")
 
 
 def test_stdlib_code_prompts():
-    prompts = S.stdlib_code_prompts()
+    prompts = SC.stdlib_code_prompts()
     assert 300 <= len(prompts) <= 1500
     texts = [p[0]["content"] for p in prompts]
     assert len(set(texts)) == len(texts)
@@ -194,7 +202,7 @@ def test_stdlib_code_prompts():
     assert len(stubs) >= len(texts) // 3 and all(t.endswith('    """\n```') for t in stubs)
     assert all(t.startswith("Write a Python") for t in texts if t not in stubs)
     # any prefix spans the library: the first 60 requests name callables of at least 30 modules or classes
-    ids = [k for k, _ in S._stdlib_items()[:60]]
+    ids = [k for k, _ in SC.stdlib_items()[:60]]
     assert len({k.rsplit(".", 1)[0] for k in ids}) >= 30
     assert all(p == [{"role": "user", "content": p[0]["content"]}] for p in prompts)
     assert any("dedent(text)" in t for t in texts)
@@ -231,23 +239,23 @@ def test_stdlib_code_prompts_are_the_same_in_every_process():
 
     handler = logging.StreamHandler()
     logging.getLogger("eagle-test-stdlib").addHandler(handler)
-    S._stdlib_items.cache_clear()
+    SC.stdlib_items.cache_clear()
     try:
         assert str(S.source_stamp("stdlib-code")) + "\n" in stamps
     finally:
         logging.getLogger("eagle-test-stdlib").removeHandler(handler)
-        S._stdlib_items.cache_clear()
-    texts = [t for _, t in S._stdlib_items()]
+        SC.stdlib_items.cache_clear()
+    texts = [t for _, t in SC.stdlib_items()]
     assert not any(" at 0x" in t for t in texts)
     assert any("def IS_LINE_JUNK(line, pat=...)" in t for t in texts)  # the address-bearing default, written ...
-    assert S._clean_signature("(f=<function <lambda> at 0x7f00aa>, /)") == "(f=...)"
+    assert SC._clean_signature("(f=<function <lambda> at 0x7f00aa>, /)") == "(f=...)"
 
 
 def test_humaneval_is_evaluation_only(tmp_path):
-    assert len(S.humaneval_prompts()) == 164
-    dev = S.load_prompts("dev-code")
+    assert len(D.humaneval_prompts()) == 164
+    dev = PR.load_prompts("dev-code")
     assert [p["id"] for p in dev] == [f"HumanEval/{i}" for i in range(40, 80)]
-    assert dev[0]["messages"] == S.humaneval_prompts()[40]["messages"]
+    assert dev[0]["messages"] == D.humaneval_prompts()[40]["messages"]
     for spec in ("human-eval", "humaneval:10"):
         with pytest.raises(EagleError, match="evaluation-only.*stdlib-code"):
             S.load_source(spec)
@@ -260,24 +268,24 @@ def test_load_prompts_file_formats_and_errors(tmp_path):
         tmp_path / "p.jsonl",
         [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}, {"prompt": "raw text"}],
     )
-    assert S.load_prompts(path) == [
+    assert PR.load_prompts(path) == [
         {"id": "a", "messages": [{"role": "user", "content": "hi"}]},
         {"id": "p-2", "prompt": "raw text"},
     ]
     (tmp_path / "bad.jsonl").write_text('{"prompt": "ok"}\n{"prompt": oops}\n', encoding="utf-8")
     with pytest.raises(EagleError, match=r"bad\.jsonl line 2"):
-        S.load_prompts(tmp_path / "bad.jsonl")
+        PR.load_prompts(tmp_path / "bad.jsonl")
     (tmp_path / "empty.jsonl").write_text("\n \n", encoding="utf-8")
     with pytest.raises(EagleError, match=r"empty\.jsonl is empty"):
-        S.load_prompts(tmp_path / "empty.jsonl")
+        PR.load_prompts(tmp_path / "empty.jsonl")
     (tmp_path / "latin.jsonl").write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
     with pytest.raises(EagleError, match=r"latin\.jsonl line 2: not valid UTF-8"):
-        S.load_prompts(tmp_path / "latin.jsonl")
+        PR.load_prompts(tmp_path / "latin.jsonl")
     (tmp_path / "neither.jsonl").write_text('{"text": "x"}\n', encoding="utf-8")
     with pytest.raises(EagleError, match=r"neither\.jsonl line 1.*'messages'"):
-        S.load_prompts(tmp_path / "neither.jsonl")
+        PR.load_prompts(tmp_path / "neither.jsonl")
     with pytest.raises(EagleError, match="does not exist"):
-        S.load_prompts(tmp_path / "nope.jsonl")
+        PR.load_prompts(tmp_path / "nope.jsonl")
 
 
 def test_bad_training_sources(tmp_path, tok):
@@ -446,9 +454,9 @@ def tiny(tok):
 
 
 def _greedy(tok, model, messages, cfg):
-    text = P.render(tok, messages, add_generation_prompt=True)
+    text = CT.render(tok, messages, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    return P.generate_batch(model, tok, [ids], cfg, P.end_of_turn_ids(tok), seed=0)[0]
+    return R.generate_batch(model, tok, [ids], cfg, CT.end_of_turn_ids(tok), seed=0)[0]
 
 
 def test_regeneration_replaces_answers_with_the_targets_own(tmp_path, tok, tiny):
@@ -462,7 +470,7 @@ def test_regeneration_replaces_answers_with_the_targets_own(tmp_path, tok, tiny)
         sources=[src], regenerate=True, regen_max_new_tokens=6, regen_batch_size=2, regen_max_turns=0,
         val_fraction=0.0, output_dir=str(tmp_path / "out"),
     )  # fmt: skip
-    convs = P.regenerate(S.load_source(src), tok, tiny, cfg)
+    convs = R.regenerate(S.load_source(src), tok, tiny, cfg)
     for conv in convs:
         answers = [m["content"] for m in conv.messages if m["role"] == "assistant"]
         assert len(answers) == 2 and "HUMAN" not in answers
@@ -472,9 +480,9 @@ def test_regeneration_replaces_answers_with_the_targets_own(tmp_path, tok, tiny)
         n_new = len(tok(answers[0], add_special_tokens=False)["input_ids"])
         assert 0 < n_new <= 8
     # the default keeps one turn; a prompt-only source gets an answer appended
-    one = P.regenerate(S.load_source(src), tok, tiny, DataConfig(regenerate=True, regen_max_new_tokens=4))
+    one = R.regenerate(S.load_source(src), tok, tiny, DataConfig(regenerate=True, regen_max_new_tokens=4))
     assert [m["role"] for m in one[0].messages] == ["user", "assistant"]
-    code = P.regenerate(
+    code = R.regenerate(
         S.load_source("stdlib-code:1", regenerate=True), tok, tiny, DataConfig(regen_max_new_tokens=4)
     )
     assert [m["role"] for m in code[0].messages] == ["user", "assistant"] and code[0].messages[1]["content"]
@@ -494,7 +502,7 @@ def test_batched_answers_equal_hf_generate_when_rows_stop_early(tok, family):
 
     model = tiny_model(family, vocab_size=len(tok), hidden_size=32, num_layers=2, seed=3).eval()
     texts = ["Hi", "Tell me about the sea and the long coast line, please", "Write a poem", "ok"]
-    prompts = [tok(P.render(tok, [{"role": "user", "content": t}], add_generation_prompt=True),
+    prompts = [tok(CT.render(tok, [{"role": "user", "content": t}], add_generation_prompt=True),
                    add_special_tokens=False)["input_ids"] for t in texts]  # fmt: skip
     cfg = DataConfig(regen_max_new_tokens=12)
     width = max(map(len, prompts))
@@ -511,34 +519,34 @@ def test_batched_answers_equal_hf_generate_when_rows_stop_early(tok, family):
     for row in ref:
         end = next((j for j, t in enumerate(row) if t in stops), len(row))
         want.append(tok.decode(row[:end], skip_special_tokens=True))
-    got = P.generate_batch(model, tok, prompts, cfg, stops, seed=0)
+    got = R.generate_batch(model, tok, prompts, cfg, stops, seed=0)
     assert got == want
     lengths = [next((j for j, t in enumerate(r) if t in stops), len(r)) for r in ref]
     assert min(lengths) < 12 and max(lengths) == 12  # some rows did stop early and some did not
 
     # sampling: seeded per batch (a resumed run writes the same answers), and the seed matters
     hot = DataConfig(regen_max_new_tokens=12, regen_temperature=1.0)
-    a = P.generate_batch(model, tok, prompts, hot, stops, seed=1)
-    assert a == P.generate_batch(model, tok, prompts, hot, stops, seed=1)
-    assert a != P.generate_batch(model, tok, prompts, hot, stops, seed=2)
+    a = R.generate_batch(model, tok, prompts, hot, stops, seed=1)
+    assert a == R.generate_batch(model, tok, prompts, hot, stops, seed=1)
+    assert a != R.generate_batch(model, tok, prompts, hot, stops, seed=2)
 
 
 def test_regeneration_in_bfloat16_leaves_the_callers_model_and_is_its_own_output(tmp_path, tok, tiny, monkeypatch):
     """data.regen_dtype: answers come from a bf16 copy (prepacked on a CPU); the fp32 model given stays as it was."""
     src = str(_chat_file(tmp_path, n=4))
     seen = []
-    real = P.generate_batch
-    monkeypatch.setattr(P, "generate_batch", lambda model, *a, **k: seen.append(model) or real(model, *a, **k))
+    real = R.generate_batch
+    monkeypatch.setattr(R, "generate_batch", lambda model, *a, **k: seen.append(model) or real(model, *a, **k))
     base = dict(sources=[src], regenerate=True, regen_max_new_tokens=4, regen_batch_size=2, val_fraction=0.0,
                 output_dir=str(tmp_path / "out"))  # fmt: skip
     fp32 = prepare(DataConfig(**base), "tiny", tokenizer=tok, model=tiny)
-    assert {P._model_dtype(m) for m in seen} == {torch.float32} and all(m is tiny for m in seen)
+    assert {model_dtype(m) for m in seen} == {torch.float32} and all(m is tiny for m in seen)
     seen.clear()
     bf16 = prepare(DataConfig(**base, regen_dtype="bfloat16"), "tiny", tokenizer=tok, model=tiny)
-    assert seen and {P._model_dtype(m) for m in seen} == {torch.bfloat16} and all(m is not tiny for m in seen)
+    assert seen and {model_dtype(m) for m in seen} == {torch.bfloat16} and all(m is not tiny for m in seen)
     if torch.backends.mkldnn.is_available():
         assert not any(type(m) is torch.nn.Linear for m in seen[0].modules())  # prepacked in bf16
-    assert P._model_dtype(tiny) == torch.float32
+    assert model_dtype(tiny) == torch.float32
     assert sum(type(m) is torch.nn.Linear for m in tiny.modules()) > 0  # the caller's model is not prepacked
     # another dtype is another output: its own partial file and config hash, not a reuse of the fp32 answers
     assert not bf16["skipped"] and bf16["config_hash"] != fp32["config_hash"]
@@ -554,7 +562,7 @@ def test_killed_regeneration_resumes(tmp_path, tok, tiny, monkeypatch):
     ref_partial = next((tmp_path / "out").glob("regen-*.jsonl")).read_text()
 
     calls = []
-    real = P.generate_batch
+    real = R.generate_batch
 
     def dies_on_second_batch(*args, **kwargs):
         calls.append(1)
@@ -562,7 +570,7 @@ def test_killed_regeneration_resumes(tmp_path, tok, tiny, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(P, "generate_batch", dies_on_second_batch)
+    monkeypatch.setattr(R, "generate_batch", dies_on_second_batch)
     killed = DataConfig(**{**cfg.__dict__, "output_dir": str(tmp_path / "killed")})
     with pytest.raises(KeyboardInterrupt):
         prepare(killed, "tiny", tokenizer=tok, model=tiny)
@@ -594,20 +602,20 @@ def test_regeneration_time_limit_keeps_a_random_subset_and_resumes(tmp_path, tok
     src = str(_chat_file(tmp_path, 12))
     cfg = DataConfig(sources=[src], regenerate=True, regen_max_new_tokens=4, regen_batch_size=2,
                      val_fraction=0.0, output_dir=str(tmp_path / "out"))  # fmt: skip
-    everything = P.regenerate(S.load_source(src), tok, tiny, cfg)
+    everything = R.regenerate(S.load_source(src), tok, tiny, cfg)
     assert len(everything) == 12
 
     clock, calls = _Clock(), []
-    real = P.generate_batch
+    real = R.generate_batch
 
     def slow_batch(*args, **kwargs):  # every batch takes 40 "seconds"
         calls.append(args[2])
         clock.now += 40.0
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(P, "generate_batch", slow_batch)
+    monkeypatch.setattr(R, "generate_batch", slow_batch)
     partial = tmp_path / "partial.jsonl"
-    kept = P.regenerate(S.load_source(src), tok, tiny, cfg, partial, Deadline(1.0, clock=clock))
+    kept = R.regenerate(S.load_source(src), tok, tiny, cfg, partial, Deadline(1.0, clock=clock))
     # batch 1 ends at 40 s and batch 2 would end at 80 s > 60 s: only the first runs (the first always does)
     assert len(calls) == 1 and len(kept) == 2
     bar = capsys.readouterr().err.split("\r")[-1]  # the progress bar's last state
@@ -619,7 +627,7 @@ def test_regeneration_time_limit_keeps_a_random_subset_and_resumes(tmp_path, tok
     assert [c.id for c in kept] != [c.id for c in everything[:2]]
     # without a limit, a resumed run answers only the rest
     calls.clear()
-    rest = P.regenerate(S.load_source(src), tok, tiny, cfg, partial)
+    rest = R.regenerate(S.load_source(src), tok, tiny, cfg, partial)
     assert len(rest) == 12 and len(calls) == 5 and [c.messages for c in rest] == [c.messages for c in everything]
 
 
@@ -630,13 +638,13 @@ def test_prepare_cut_by_the_time_limit_is_reused_by_limited_runs_only(tmp_path, 
     clock = _Clock()
     monkeypatch.setattr(P, "Deadline", lambda minutes: __import__("eagle.deadline").deadline.Deadline(
         minutes, clock=clock))  # fmt: skip
-    real = P.generate_batch
+    real = R.generate_batch
 
     def slow_batch(*args, **kwargs):
         clock.now += 25.0
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(P, "generate_batch", slow_batch)
+    monkeypatch.setattr(R, "generate_batch", slow_batch)
     cut = prepare(cfg, "tiny", tokenizer=tok, model=tiny)
     assert cut["counts"]["train"] == 4 and cut["dropped"] == {"regen_time_limit": 4} and not cut["skipped"]
     clock.now = 0.0
@@ -666,3 +674,24 @@ def test_gz_chat_file(tmp_path):
         )
     )
     assert S.load_source(str(path))[0].messages[1]["content"] == "a"
+
+
+def test_evaluation_data_is_refused_by_content_whatever_its_name(tmp_path):
+    """A renamed copy of a dev set, or training chats with HumanEval problems slipped in, are refused; ordinary
+    chat data that happens to share a greeting with the evaluation reserve is not."""
+    renamed = tmp_path / "my_chats.jsonl"
+    renamed.write_bytes(D.dev_set_path("dev-chat").read_bytes())
+    with pytest.raises(EagleError, match="evaluation data.*open with evaluation prompts"):
+        S.load_source(str(renamed), regenerate=True)
+    chats = [{"messages": [{"role": "user", "content": f"Tell me about topic {i}."},
+                           {"role": "assistant", "content": f"Topic {i} is interesting."}]} for i in range(30)]
+    problem = D.humaneval_prompts()[3]["messages"][0]["content"]
+    mixed = _write_jsonl(tmp_path / "mixed.jsonl", chats + [{"messages": [
+        {"role": "user", "content": problem}, {"role": "assistant", "content": "def f(): pass"}]}])
+    with pytest.raises(EagleError, match="contain evaluation prompts"):
+        S.load_source(str(mixed))
+    greeting = next(p["messages"][0]["content"] for p in PR.load_prompts("dev-chat")
+                    if len(p["messages"][0]["content"]) < 20)
+    fine = _write_jsonl(tmp_path / "fine.jsonl", chats + [{"messages": [
+        {"role": "user", "content": greeting}, {"role": "assistant", "content": "Hello!"}]}])
+    assert len(S.load_source(str(fine))) == 31

@@ -24,7 +24,8 @@ from eagle.tree import (
     tree_from_parents,
 )
 from eagle.verify import verify_greedy
-from train.prepare import DataConfig, _encode_all, tokenize_conversation
+from train.chat_template import tokenize_conversation
+from train.prepare import DataConfig, _encode_all
 from train.sources import Conversation
 
 SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

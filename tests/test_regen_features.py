@@ -11,14 +11,17 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import load_file
 
-from eagle.targets import Target, capture_features
+from eagle.features import capture_features
+from eagle.targets import Target
 from eagle.testing import tiny_model
+from train import chat_template as CT
 from train import collect as C
-from train import prepare as P
-from train.collect import CollectConfig, FeatureShards, collect
+from train import regenerate as R
+from train.collect import CollectConfig, collect
 from train.losses import eagle1_loss, eagle3_ttt_loss
 from train.prepare import DataConfig, prepare
 from train.regen_features import FeatureCapture, last_loss_position
+from train.shards import FeatureShards
 
 AUX = [1, 2, 3]
 
@@ -30,7 +33,7 @@ def model(tok):
 
 def _prompts(tok, texts):
     return [
-        tok(P.render(tok, [{"role": "user", "content": t}], add_generation_prompt=True),
+        tok(CT.render(tok, [{"role": "user", "content": t}], add_generation_prompt=True),
             add_special_tokens=False)["input_ids"]
         for t in texts
     ]  # fmt: skip
@@ -38,7 +41,7 @@ def _prompts(tok, texts):
 
 def _generate(model, tok, prompts, cfg, stops):
     grab = FeatureCapture(model, AUX, torch.float32)
-    answers = P.generate_batch(model, tok, prompts, cfg, stops, seed=0, capture=grab)
+    answers = R.generate_batch(model, tok, prompts, cfg, stops, seed=0, capture=grab)
     return answers, grab.rows()
 
 
@@ -52,7 +55,7 @@ def test_capture_holds_what_a_plain_forward_gives_and_changes_no_answer(tok, mod
     stop = int(free[0][0][len(prompts[0]) + 3])
     assert stop not in free[1][0][len(prompts[1]):].tolist(), "pick another seed: the stop occurs in row 1"
     answers, rows = _generate(model, tok, prompts, cfg, {stop})
-    assert answers == P.generate_batch(model, tok, prompts, cfg, {stop}, seed=0)  # capturing changes nothing
+    assert answers == R.generate_batch(model, tok, prompts, cfg, {stop}, seed=0)  # capturing changes nothing
     answer0 = free[0][0][len(prompts[0]):].tolist()
     first = answer0.index(stop)
     # the stopped row's tokens up to the stop are read, the stop itself is not; the other row runs to the end

@@ -21,8 +21,9 @@ import torch
 import yaml
 
 from eagle.errors import EagleError
+from eagle.heads import HeadConfig
 from train import checkpoint as ck
-from train.trainer import HeadSpec, TrainConfig, train
+from train.trainer import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,7 +80,7 @@ def trained(tmp_path_factory):
         progress=False,
     )
     target = W.bigram_target()
-    train(target=target, data_dir=prepared, head=HeadSpec(draft_vocab_size=32), cfg=cfg)
+    train(target=target, data_dir=prepared, head=HeadConfig(draft_vocab_size=32), cfg=cfg)
     return target, prepared, cfg, root / "run"
 
 
@@ -94,7 +95,7 @@ def test_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path, trai
     plant_pickle(out / "checkpoints" / "step-0000002" / victim, marker, zip_format)
     cfg = TrainConfig(**{**cfg.__dict__, "output_dir": str(out), "max_steps": 4})
     with pytest.raises(EagleError) as info:
-        train(target=target, data_dir=prepared, head=HeadSpec(draft_vocab_size=32), cfg=cfg)
+        train(target=target, data_dir=prepared, head=HeadConfig(draft_vocab_size=32), cfg=cfg)
     message = str(info.value)
     assert f"{victim} holds objects other than tensors and plain values" in message
     assert "refused without running it" in message and "train.resume=never" in message
@@ -103,7 +104,7 @@ def test_planted_pickle_in_a_checkpoint_is_refused_and_never_runs(tmp_path, trai
 
 
 def test_planted_pickle_through_the_command_line(tmp_path, trained, capsys):
-    from eagle import cli
+    from recipes import cli
 
     _, prepared, cfg, run = trained
     out = shutil.copytree(run, tmp_path / "run")
@@ -192,7 +193,7 @@ def test_remote_code_is_off_unless_the_user_turns_it_on(tmp_path, monkeypatch):
     import transformers
 
     from eagle.targets import TargetConfig, load_target, load_tokenizer
-    from train.config import load_config
+    from recipes.config import load_config
 
     marker = tmp_path / "marker"
     folder = _remote_code_folder(tmp_path, marker)

@@ -16,13 +16,13 @@ import pytest
 import torch
 
 from eagle.drafter import HeadDrafter, OracleDrafter
-from eagle.evaluate import prompt_token_ids
 from eagle.export import load_exported_head
 from eagle.heads import HeadConfig, build_head
+from eagle.prompts import load_prompts, prompt_token_ids
+from eagle.sampling import Sampling
 from eagle.speculate import speculative_generate
 from eagle.targets import load_target
 from eagle.tree import TreeConfig
-from train.sources import load_prompts
 
 N_NEW = 32
 N_PARTIAL = 64
@@ -75,10 +75,10 @@ def test_speculative_greedy_equals_generate_on_smollm2(smollm2, cases, policy):
     eos = [smollm2.tokenizer.eos_token_id]
     for ids, ref in cases:
         res = speculative_generate(smollm2.model, HeadDrafter(_untrained_head(smollm2)), ids, N_NEW,
-                                   TREES[policy], eos_token_ids=eos)
+                                   TREES[policy], sampling=Sampling(eos_token_ids=eos))
         assert res.tokens == ref
         oracle = speculative_generate(smollm2.model, OracleDrafter(smollm2.model), ids, N_NEW,
-                                      TREES[policy], eos_token_ids=eos)
+                                      TREES[policy], sampling=Sampling(eos_token_ids=eos))
         assert oracle.tokens == ref
         # the oracle's drafts are the target's own greedy choices: every full step accepts depth + 1 tokens
         depth = max(len(p) for p in TREES[policy].static_paths) if policy == "static" else TREES[policy].depth
@@ -94,7 +94,7 @@ def test_partial_acceptance_keeps_the_greedy_output(smollm2, smollm2_head, parti
     deep = rejected = 0
     for ids, reference in partial_cases:
         res = speculative_generate(smollm2.model, HeadDrafter(head), ids, N_PARTIAL, tree,
-                                   eos_token_ids=[smollm2.tokenizer.eos_token_id])
+                                   sampling=Sampling(eos_token_ids=[smollm2.tokenizer.eos_token_id]))
         assert res.tokens == reference
         deep += sum(res.accepted_per_depth[1:])  # drafts accepted at depth 2 or deeper
         rejected += sum(1 for n in res.accept_lengths[:-1] if n - 1 < len(res.accepted_per_depth))

@@ -14,6 +14,7 @@ from eagle.cache import cache_length, crop_cache, gather_cache
 from eagle.drafter import HeadDrafter, OracleDrafter
 from eagle.errors import EagleError
 from eagle.heads import HeadCache, HeadConfig, build_head
+from eagle.sampling import Sampling
 from eagle.speculate import GenerationResult, plain_generate, speculative_generate, tree_attention_mask
 from eagle.targets import cache_kwarg
 from eagle.testing import FAMILIES, tiny_config
@@ -106,7 +107,7 @@ def check_result(res: GenerationResult, ref: list[int]) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_plain_generate_equals_hf_generate(family):
-    res = plain_generate(target(family), prompt(), N_NEW, eos_token_ids=eos_ids(target(family)))
+    res = plain_generate(target(family), prompt(), N_NEW, sampling=Sampling(eos_token_ids=eos_ids(target(family))), )
     assert res.tokens == reference(family)
     assert res.target_forwards == len(res.tokens) - 1 and set(res.accept_lengths) == {1}
 
@@ -116,7 +117,7 @@ def test_plain_generate_equals_hf_generate(family):
 def test_oracle_drafter_accepts_everything(family, policy):
     model = target(family)
     res = speculative_generate(
-        model, OracleDrafter(model), prompt(), N_NEW, TREES[policy], eos_token_ids=eos_ids(model)
+        model, OracleDrafter(model), prompt(), N_NEW, TREES[policy], sampling=Sampling(eos_token_ids=eos_ids(model)),
     )
     check_result(res, reference(family))
     depth = 4
@@ -131,7 +132,7 @@ def test_oracle_drafter_accepts_everything(family, policy):
 def test_untrained_head_keeps_greedy_output(family, kind, policy):
     model = target(family)
     drafter = HeadDrafter(head(family, kind))
-    res = speculative_generate(model, drafter, prompt(), N_NEW, TREES[policy], eos_token_ids=eos_ids(model))
+    res = speculative_generate(model, drafter, prompt(), N_NEW, TREES[policy], sampling=Sampling(eos_token_ids=eos_ids(model)), )
     check_result(res, reference(family))
     assert drafter.cache.length == T + sum(res.accept_lengths[:-1])  # head cache = committed length - 1
 
@@ -163,7 +164,7 @@ class NoisyOracle(OracleDrafter):
 def test_partial_acceptance_keeps_greedy_output(policy):
     model = target("mistral")
     res = speculative_generate(
-        model, NoisyOracle(model), prompt(), N_NEW, TREES[policy], eos_token_ids=eos_ids(model)
+        model, NoisyOracle(model), prompt(), N_NEW, TREES[policy], sampling=Sampling(eos_token_ids=eos_ids(model)),
     )
     check_result(res, reference("mistral"))
     assert len(set(res.accept_lengths[:-1])) > 1  # a mix of full and partial acceptance
@@ -183,10 +184,10 @@ def test_sliding_window_and_sdpa_targets(name):
     for drafter in (OracleDrafter(model), HeadDrafter(head(name, "eagle3"))):
         for policy in ("chain", "dynamic"):
             res = speculative_generate(
-                model, drafter, prompt(), N_NEW, TREES[policy], eos_token_ids=eos_ids(model)
+                model, drafter, prompt(), N_NEW, TREES[policy], sampling=Sampling(eos_token_ids=eos_ids(model)),
             )
             check_result(res, ref)
-    assert plain_generate(model, prompt(), N_NEW, eos_token_ids=eos_ids(model)).tokens == ref
+    assert plain_generate(model, prompt(), N_NEW, sampling=Sampling(eos_token_ids=eos_ids(model)), ).tokens == ref
 
 
 # ------------------------------------------------------------------------------------------ the cache
@@ -233,12 +234,10 @@ def test_tree_attention_mask_window():
     assert allowed[0].tolist() == [0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
 
 
-def test_gather_and_crop_legacy_and_unsupported_caches():
+def test_gather_and_crop_dynamic_caches_and_refuse_others():
     k = torch.arange(2 * 6 * 3, dtype=torch.float32).view(1, 2, 6, 3)
-    legacy = ((k, k + 1), (k + 2, k + 3))
-    kept = gather_cache(legacy, torch.tensor([0, 1, 3, 5]))
-    assert torch.equal(kept[1][0], (k + 2)[:, :, [0, 1, 3, 5]])
-    assert crop_cache(legacy, 2)[0][1].shape[2] == 2
+    with pytest.raises(EagleError, match="DynamicCache"):
+        gather_cache(((k, k + 1), (k + 2, k + 3)), torch.tensor([0, 1, 3, 5]))  # a legacy tuple cache
     dyn = DynamicCache()
     dyn.update(k.clone(), k.clone() + 1, 0)
     gather_cache(dyn, torch.tensor([0, 1, 4]))
@@ -361,7 +360,7 @@ def test_stopping_rules():
     # EOS: an id that first occurs mid-way in the greedy output; it is kept and generation stops there
     eos = ref[13]
     cut = ref.index(eos) + 1
-    res = speculative_generate(model, drafter, prompt(), 40, TREES["chain"], eos_token_ids=[eos])
+    res = speculative_generate(model, drafter, prompt(), 40, TREES["chain"], sampling=Sampling(eos_token_ids=[eos]))
     assert res.tokens == ref[:cut]
     # exact length truncation, also when the limit falls inside an accepted block
     for n in (1, 2, 7):
@@ -377,11 +376,9 @@ def test_stopping_rules():
         prompt(),
         40,
         TREES["dynamic"],
-        stop_strings=[stop],
-        tokenizer=DigitTokenizer(),
-    )
+        sampling=Sampling(stop_strings=[stop], tokenizer=DigitTokenizer()), )
     assert res.tokens == ref[: first + 1]
-    plain = plain_generate(model, prompt(), 40, stop_strings=[stop], tokenizer=DigitTokenizer())
+    plain = plain_generate(model, prompt(), 40, sampling=Sampling(stop_strings=[stop], tokenizer=DigitTokenizer()), )
     assert plain.tokens == res.tokens
 
 
@@ -407,9 +404,7 @@ def test_prompt_lookup_branch_keeps_greedy_output_and_accepts_repeats(policy):
         prompt(vocab=16),
         40,
         lookup,
-        temperature=0.9,
-        top_k=1,
-        generator=gen,
+        sampling=Sampling(temperature=0.9, top_k=1), generator=gen,
     )
     assert res.tokens == ref
 
@@ -473,9 +468,10 @@ def test_sampling_path():
     model = target("qwen2")
     tree = TREES["dynamic"]
 
-    def run(drafter, seed, **kw):
+    def run(drafter, seed, **warp):
         gen = torch.Generator().manual_seed(seed)
-        return speculative_generate(model, drafter, prompt(), 16, tree, temperature=0.8, generator=gen, **kw)
+        return speculative_generate(model, drafter, prompt(), 16, tree, sampling=Sampling(temperature=0.8, **warp),
+                                    generator=gen)
 
     a = run(HeadDrafter(head("qwen2", "eagle1")), 7, top_p=0.9, top_k=50)
     b = run(HeadDrafter(head("qwen2", "eagle1")), 7, top_p=0.9, top_k=50)
@@ -494,7 +490,7 @@ def test_user_errors():
     with pytest.raises(EagleError, match="one sequence"):
         speculative_generate(model, OracleDrafter(model), torch.ones(2, 4, dtype=torch.long), 4)
     with pytest.raises(EagleError, match="tokenizer"):
-        speculative_generate(model, OracleDrafter(model), prompt(), 4, stop_strings=["x"])
+        speculative_generate(model, OracleDrafter(model), prompt(), 4, sampling=Sampling(stop_strings=["x"]))
     with pytest.raises(EagleError, match="policy"):
         speculative_generate(model, OracleDrafter(model), prompt(), 4, TreeConfig(policy="beam"))
     with pytest.raises(EagleError, match="max_new_tokens"):
@@ -545,7 +541,7 @@ def first_child_path(tree) -> list[int]:
 
 @pytest.mark.parametrize("name", ["llama", "qwen2-mixed", "mistral-window"])
 def test_lazy_logits_equal_full_logits(name):
-    from eagle.speculate import _LOGIT_MAPS
+    from eagle.lazy_logits import _LOGIT_MAPS
 
     model = target(name)
     _LOGIT_MAPS.pop(model, None)
@@ -561,8 +557,7 @@ def test_lazy_logits_equal_full_logits(name):
                 prompt(1),
                 N_NEW,
                 TREES["dynamic"],
-                eos_token_ids=eos_ids(model),
-                lazy_logits=lazy,
+                sampling=Sampling(eos_token_ids=eos_ids(model)), lazy_logits=lazy,
             )
             sampled = speculative_generate(
                 model,
@@ -570,9 +565,7 @@ def test_lazy_logits_equal_full_logits(name):
                 prompt(2),
                 N_NEW,
                 TREES["dynamic"],
-                temperature=0.9,
-                top_p=0.95,
-                generator=torch.Generator().manual_seed(3),
+                sampling=Sampling(temperature=0.9, top_p=0.95), generator=torch.Generator().manual_seed(3),
                 lazy_logits=lazy,
             )
         finally:
@@ -631,7 +624,7 @@ def tiny_postprocessed(kind: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("kind", ["gemma2", "cohere", "granite", "llama-unapplied-cap"])
 def test_lazy_logits_apply_postprocessing_or_fall_back(kind):
-    from eagle.speculate import _LOGIT_MAPS
+    from eagle.lazy_logits import _LOGIT_MAPS
 
     model = tiny_postprocessed(kind)
     ids = prompt()

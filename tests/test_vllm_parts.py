@@ -120,13 +120,13 @@ def test_answer_parts_are_merged_whole_lines_only(tmp_path):
 
 
 def test_a_failed_parity_check_exits_with_status_1_and_names_the_fields(monkeypatch, capsys):
-    from eagle import cli
+    import recipes.eval
     from eagle.vllm_eval import ParityError
-    from train import pipeline
+    from recipes import cli
 
     def failing(cfg):
         raise ParityError("parity failed for x: check eagle_aux_hidden_state_layer_ids")
 
-    monkeypatch.setattr(pipeline, "run_eval", failing)
+    monkeypatch.setattr(recipes.eval, "run", failing)
     assert cli.main(["eval", "--engine", "both"]) == 1
     assert "eagle_aux_hidden_state_layer_ids" in capsys.readouterr().err

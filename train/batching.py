@@ -1,6 +1,6 @@
 """Training data for the trainer: sequence sources, length-bucketed batch plans and collation.
 
-Offline mode reads :class:`train.collect.FeatureShards` (token ids, loss mask and the target's features per
+Offline mode reads :class:`train.shards.FeatureShards` (token ids, loss mask and the target's features per
 sequence); online mode reads the prepared dataset (token ids and loss mask only) and the trainer computes the
 features inside the step. Both expose ``__len__``, ``__getitem__`` (a dict of tensors), ``lengths()`` and
 ``token_pairs()`` (``(input_ids, loss_mask)`` chunks for counting the draft vocabulary).
@@ -16,8 +16,10 @@ from __future__ import annotations
 import hashlib
 import os
 import random
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -103,7 +105,7 @@ class PreparedSequences(torch.utils.data.Dataset):
 
 
 class ShardSequences(torch.utils.data.Dataset):
-    """Collected features of one split (a thin view over :class:`train.collect.FeatureShards`)."""
+    """Collected features of one split (a thin view over :class:`train.shards.FeatureShards`)."""
 
     def __init__(
         self,
@@ -112,7 +114,7 @@ class ShardSequences(torch.utils.data.Dataset):
         expected_fingerprint: str | None = None,
         max_length: int | None = None,
     ):
-        from train.collect import FeatureShards
+        from train.shards import FeatureShards
 
         self.shards = FeatureShards(features_dir, split, expected_fingerprint=expected_fingerprint)
         self.split = split
@@ -292,3 +294,50 @@ def batch_loader(
         generator=torch.Generator().manual_seed(0),
         persistent_workers=False,
     )
+
+
+def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def _add_features(batch: dict[str, torch.Tensor], target, aux_layers: list[int]) -> None:
+    """Online mode: run the frozen target on the batch and add its features."""
+    from eagle.features import capture_features
+
+    with torch.no_grad():
+        ids = batch["input_ids"].to(target.device)
+        aux, last = capture_features(target.model, ids, batch["attention_mask"].to(target.device), aux_layers)
+    device = batch["input_ids"].device
+    batch["aux_hidden"], batch["last_hidden"] = aux.to(device), last.to(device)
+
+
+def prepare_batch(batch, accelerator, online: bool, target, aux_layers) -> dict[str, torch.Tensor]:
+    batch = _to_device(batch, accelerator.device)
+    if online:
+        _add_features(batch, target, aux_layers)
+    return batch
+
+
+def open_sources(mode: str, data_dir: Any, features_dir: Any, fingerprint: str, max_length: int | None
+                 ) -> tuple[Any, Any]:
+    """(train source, val source or None) for ``train.mode``: feature shards offline, prepared data online."""
+    if mode == "offline":
+        if not features_dir:
+            raise EagleError(
+                "train.mode=offline needs collected features: set collect.output_dir (or train online)"
+            )
+        train_src = ShardSequences(features_dir, "train", fingerprint, max_length)
+        has_val = "val" in train_src.shards.manifest.get("splits", {})
+        val_src = ShardSequences(features_dir, "val", fingerprint, max_length) if has_val else None
+        return train_src, val_src
+    if not data_dir:
+        raise EagleError("train.mode=online needs prepared data: set data.output_dir (run `eagle prepare`)")
+    train_src = PreparedSequences(data_dir, "train", max_length)
+    val_src = None
+    if (Path(data_dir) / "val").is_dir():
+        try:
+            val_src = PreparedSequences(data_dir, "val", max_length)
+        except EagleError as exc:
+            # e.g. an empty split (datasets cannot reload one): train without evaluation
+            warnings.warn(f"no usable validation split, training without evaluation: {exc}", stacklevel=3)
+    return train_src, val_src

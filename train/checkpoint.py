@@ -37,11 +37,11 @@ import torch
 
 from eagle.errors import EagleError
 from eagle.fileio import fsync_dir, remove_stale_temps, write_json_atomic, write_text_atomic
+from train.vocab import VOCAB_FILE, save_vocab
 
 STATE_FILE = "trainer_state.json"
 MODEL_FILE = "model.safetensors"
 HEAD_CONFIG_FILE = "head_config.json"
-VOCAB_FILE = "draft_vocab.safetensors"
 OPTIMIZER_FILE = "optimizer.pt"
 SCHEDULER_FILE = "scheduler.pt"
 DEEPSPEED_DIR = "deepspeed"
@@ -93,11 +93,10 @@ def save_head_files(
     """Write ``model.safetensors``, ``head_config.json`` and (eagle3) ``draft_vocab.safetensors``."""
     from safetensors.torch import save_file
 
-    from train.vocab import save_vocab
 
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
     save_file(tensors, str(directory / MODEL_FILE), metadata={"format": "pt"})
-    (directory / HEAD_CONFIG_FILE).write_text(json.dumps(head_config, indent=1) + "\n", encoding="utf-8")
+    write_json_atomic(head_config, directory / HEAD_CONFIG_FILE)
     if vocab is not None:
         save_vocab(directory / VOCAB_FILE, *vocab)
 
@@ -419,3 +418,40 @@ def restore_rng(path: Path, rank: int) -> bool:
         return False
     set_rng_state(load_pt(file))
     return True
+
+
+def resolve_resume(resume: str, root: Path) -> Path | None:
+    """The checkpoint ``train.resume`` names (auto: the latest in ``root``; never: None, a fresh start)."""
+
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return find_latest(root)
+    path = Path(resume)
+    if path.is_dir() and is_complete(path):
+        return path
+    for candidate in (path, path / "checkpoints"):
+        found = find_latest(candidate) if candidate.is_dir() else None
+        if found is not None:
+            return found
+    raise EagleError(
+        f"train.resume={resume!r} is neither a complete checkpoint nor a folder holding one: pass a "
+        "checkpoints/step-* folder, or use train.resume=auto / never"
+    )
+
+
+def check_head_matches(saved: dict, hcfg: Any, path: Path) -> None:
+    """A checkpoint must belong to this target and have this head's shapes."""
+    if saved.get("target_fingerprint") != hcfg.target_fingerprint:
+        raise EagleError(
+            f"checkpoint {path} was trained for target {saved.get('target_name')!r} (fingerprint "
+            f"{saved.get('target_fingerprint')}), not for {hcfg.target_name!r} ({hcfg.target_fingerprint}): "
+            "use another train.output_dir, or start fresh with train.resume=never"
+        )
+    current = hcfg.to_dict()
+    for key in ("kind", "hidden_size", "draft_vocab_size", "vocab_size", "aux_layers", "intermediate_size"):
+        if saved.get(key) != current.get(key):
+            raise EagleError(
+                f"checkpoint {path} has head.{key}={saved.get(key)!r} but this run has {current.get(key)!r}: "
+                "resume with the same head settings, use another train.output_dir, or train.resume=never"
+            )

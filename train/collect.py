@@ -41,21 +41,23 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from eagle.devices import model_device
 from eagle.errors import EagleError
 from eagle.fileio import fsync_dir, remove_stale_temps, write_json_atomic
+from train.launch import process_state
+from train.shards import (
+    FORMAT,
+    SAFETENSORS_DTYPES,
+    STORAGE_DTYPES,
+    TENSOR_NAMES,
+    bytes_per_token,
+    read_json,
+    sha256_file,
+    storage_layout,
+)
 
 log = logging.getLogger(__name__)
 
-FORMAT = "eagle-features-v1"
-STORAGE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_ST_DTYPE = {
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.uint8: "U8",
-}
 SLOW_ENV = "EAGLE_COLLECT_SLOW"
 
 
@@ -64,10 +66,10 @@ class CollectConfig:
     """The ``collect:`` section of a run config."""
 
     output_dir: str = "runs/demo/features"
-    aux_layers: list[int] | None = None  # None: the target's default (eagle.targets.default_aux_layers)
+    aux_layers: list[int] | None = None  # None: the target's default (eagle.features.default_aux_layers)
     dtype: str = "bfloat16"  # storage dtype of the hidden states
     # the dtype the target computes the features in; null: target.dtype. A bf16 target's features train a head
-    # as well as fp32 ones (TUNING.md run 38); with data.regen_dtype the same, regeneration's capture is used
+    # as well as fp32 ones; with data.regen_dtype the same, regeneration's capture is used
     target_dtype: str | None = None
     batch_tokens: int = 8192  # padded tokens per forward batch
     shard_tokens: int = 200_000  # tokens per shard file
@@ -111,24 +113,6 @@ def _tmp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
 
 
-def _read_json(path: Path) -> dict | None:
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise EagleError(f"{path} is unreadable ({exc}): delete it and rerun `eagle collect`") from exc
-
-
-def sha256_file(path: str | os.PathLike, chunk: int = 1 << 22) -> str:
-    """The hex sha256 of a file, read in chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _human(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
@@ -157,7 +141,7 @@ class _ShardWriter:
             row_bytes = math.prod(shape[1:]) * dtype.itemsize
             nbytes = shape[0] * row_bytes
             header[name] = {
-                "dtype": _ST_DTYPE[dtype],
+                "dtype": SAFETENSORS_DTYPES[dtype],
                 "shape": list(shape),
                 "data_offsets": [offset, offset + nbytes],
             }
@@ -303,25 +287,6 @@ def _load_split(data_dir: Path, split: str, max_sequences: int | None):
 # collection
 
 
-def _storage_layout(k: int, hidden: int, dtype: torch.dtype, n_tok: int, n_seq: int):
-    return [
-        ("offsets", torch.int64, (n_seq + 1,)),
-        ("seq_index", torch.int64, (n_seq,)),
-        ("input_ids", torch.int32, (n_tok,)),
-        ("aux_hidden", dtype, (n_tok, k * hidden)),
-        ("last_hidden", dtype, (n_tok, hidden)),
-        ("loss_mask", torch.uint8, (n_tok,)),
-    ]
-
-
-_KEYS = {"offsets", "seq_index", "input_ids", "aux_hidden", "last_hidden", "loss_mask"}
-
-
-def bytes_per_token(num_aux: int, hidden_size: int, dtype: str) -> int:
-    """Disk bytes per stored token: int32 id + uint8 mask + (k+1)*h hidden values."""
-    return 4 + 1 + (num_aux + 1) * hidden_size * STORAGE_DTYPES[dtype].itemsize
-
-
 def _shard_bytes(shard: ShardPlan, bpt: int) -> int:
     return shard.n_tok * bpt + 16 * len(shard.rows) + 8 + 1024  # + offsets/seq_index + header
 
@@ -342,7 +307,7 @@ def _check_shard(path: Path, shard: ShardPlan, meta: dict, known_sha: str | None
         return None, f"it does not load ({exc})"
     if found != meta:
         return None, "it was written for another target, layer set, dtype or data"
-    if seq_index != shard.rows or n_tok != shard.n_tok or keys != _KEYS:
+    if seq_index != shard.rows or n_tok != shard.n_tok or keys != TENSOR_NAMES:
         return None, "its sequences differ from the plan"
     sha = sha256_file(path)
     if known_sha is not None and sha != known_sha:
@@ -354,7 +319,7 @@ def _known_checksums(out: Path) -> dict[tuple[str, str], str]:
     """(split, file) -> sha256 from the manifest and any per-process progress files."""
     known: dict[tuple[str, str], str] = {}
     for path in [out / "manifest.json", *sorted(out.glob("manifest.r*.json"))]:
-        data = _read_json(path) or {}
+        data = read_json(path) or {}
         for split, entry in (data.get("splits") or {}).items():
             for s in entry.get("shards", []):
                 known[(split, s["file"])] = s["sha256"]
@@ -363,7 +328,7 @@ def _known_checksums(out: Path) -> dict[tuple[str, str], str]:
 
 def _check_compatible(out: Path, header: dict, splits: dict[str, dict]) -> dict | None:
     """Refuse to mix features of another target, layer set, dtype, data or plan into ``out``."""
-    old = _read_json(out / "manifest.json")
+    old = read_json(out / "manifest.json")
     if old is None:
         return None
     if old.get("format") != FORMAT:
@@ -394,35 +359,44 @@ def _check_compatible(out: Path, header: dict, splits: dict[str, dict]) -> dict 
     return old
 
 
-def _target_device(target) -> torch.device:
-    dev = getattr(target, "device", None)
-    if dev is not None:
-        return torch.device(dev)
-    return next(target.model.parameters()).device
+def _check_row(shard: ShardPlan, row: int, tok: list[int], lm: list[int], target: Any) -> None:
+    """A prepared row must have one loss-mask entry per token and ids inside the target's vocabulary."""
+    if len(lm) != len(tok):
+        raise EagleError(
+            f"row {row} of split {shard.split!r} has {len(tok)} tokens but {len(lm)} loss-mask entries: "
+            "rerun `eagle prepare`"
+        )
+    if max(tok) >= target.vocab_size or min(tok) < 0:
+        bad_id = max(tok) if max(tok) >= target.vocab_size else min(tok)
+        raise EagleError(
+            f"split {shard.split!r} has token id {bad_id} but {target.name} has a vocabulary of "
+            f"{target.vocab_size}: the data was prepared for another tokenizer; rerun `eagle prepare`"
+        )
 
 
-class _OneProcess:
-    """Stands in for accelerate's PartialState in a plain single-process run."""
+def _forward(target: Any, token_rows: list[list[int]], aux_layers: list[int], batch_tokens: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's (aux, last) features of a right-padded batch of rows (``eagle.features.capture_features``)."""
+    from eagle.features import capture_features
 
-    process_index, num_processes, is_main_process = 0, 1, True
-
-    def wait_for_everyone(self) -> None:
-        pass
-
-
-_WORLD_ENV = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def _distributed_state(device: torch.device):
-    """accelerate's PartialState under a multi-process launch (or when the caller already set one up); a
-    single plain process leaves accelerate's process-wide state alone, so a later Accelerator is unaffected."""
-    from accelerate import PartialState
-
-    launched = any(int(os.environ.get(k, "1") or 1) > 1 for k in _WORLD_ENV)
-    if not launched and PartialState._shared_state == {}:
-        return _OneProcess()
-    # gloo on CPU: without cpu=True accelerate treats a CPU torchrun launch as one process
-    return PartialState(cpu=device.type == "cpu")
+    slow = float(os.environ.get(SLOW_ENV, "0") or 0)
+    if slow > 0:
+        time.sleep(slow)
+    width = max(len(tok) for tok in token_rows)
+    ids = torch.zeros(len(token_rows), width, dtype=torch.long)
+    mask = torch.zeros(len(token_rows), width, dtype=torch.long)
+    for i, tok in enumerate(token_rows):
+        ids[i, : len(tok)] = torch.tensor(tok, dtype=torch.long)
+        mask[i, : len(tok)] = 1
+    device = model_device(target.model)
+    try:
+        with torch.inference_mode():
+            return capture_features(target.model, ids.to(device), mask.to(device), aux_layers)
+    except torch.OutOfMemoryError as exc:
+        raise EagleError(
+            f"out of memory on a batch of {len(token_rows)} x {width} tokens: lower collect.batch_tokens "
+            f"(now {batch_tokens}) and rerun; finished shards are kept"
+        ) from exc
 
 
 def _collect_shard(
@@ -442,16 +416,12 @@ def _collect_shard(
     ``captured(row, input_ids, loss_mask)`` may give a row's features kept from regeneration; only the other
     rows of a batch go through the target. The entry counts those rows' tokens as ``captured_tokens`` (for the
     log; the caller drops it from the manifest entry)."""
-    from eagle.targets import capture_features
-
-    device = _target_device(target)
-    slow = float(os.environ.get(SLOW_ENV, "0") or 0)
     offsets = [0]
     for n in shard.lengths:
         offsets.append(offsets[-1] + n)
-    layout = _storage_layout(len(aux_layers), target.hidden_size, dtype, offsets[-1], len(shard.rows))
     tmp = _tmp_name(final)
-    writer = _ShardWriter(tmp, layout, meta)
+    writer = _ShardWriter(tmp, storage_layout(len(aux_layers), target.hidden_size, dtype, offsets[-1],
+                                              len(shard.rows)), meta)
     loss_tokens = captured_tokens = 0
     try:
         writer.write_rows("offsets", 0, torch.tensor(offsets, dtype=torch.int64))
@@ -460,17 +430,7 @@ def _collect_shard(
             rows = ds[shard.rows[start:end]]
             todo = []  # batch positions the target must run over
             for j, (tok, lm) in enumerate(zip(rows["input_ids"], rows["loss_mask"])):
-                if len(lm) != len(tok):
-                    raise EagleError(
-                        f"row {shard.rows[start + j]} of split {shard.split!r} has {len(tok)} tokens but "
-                        f"{len(lm)} loss-mask entries: rerun `eagle prepare`"
-                    )
-                if max(tok) >= target.vocab_size or min(tok) < 0:
-                    bad_id = max(tok) if max(tok) >= target.vocab_size else min(tok)
-                    raise EagleError(
-                        f"split {shard.split!r} has token id {bad_id} but {target.name} has a vocabulary of "
-                        f"{target.vocab_size}: the data was prepared for another tokenizer; rerun `eagle prepare`"
-                    )
+                _check_row(shard, shard.rows[start + j], tok, lm, target)
                 at = offsets[start + j]
                 writer.write_rows("input_ids", at, torch.tensor(tok, dtype=torch.int32))
                 writer.write_rows("loss_mask", at, torch.tensor(lm, dtype=torch.uint8))
@@ -483,23 +443,7 @@ def _collect_shard(
                 writer.write_rows("last_hidden", at, kept[1].to(dtype))
                 captured_tokens += len(tok)
             if todo:
-                if slow > 0:
-                    time.sleep(slow)
-                width = max(len(rows["input_ids"][j]) for j in todo)
-                ids = torch.zeros(len(todo), width, dtype=torch.long)
-                mask = torch.zeros(len(todo), width, dtype=torch.long)
-                for i, j in enumerate(todo):
-                    tok = rows["input_ids"][j]
-                    ids[i, : len(tok)] = torch.tensor(tok, dtype=torch.long)
-                    mask[i, : len(tok)] = 1
-                try:
-                    with torch.inference_mode():
-                        aux, last = capture_features(target.model, ids.to(device), mask.to(device), aux_layers)
-                except torch.OutOfMemoryError as exc:
-                    raise EagleError(
-                        f"out of memory on a batch of {len(todo)} x {width} tokens: lower collect.batch_tokens "
-                        f"(now {batch_tokens}) and rerun; finished shards are kept"
-                    ) from exc
+                aux, last = _forward(target, [rows["input_ids"][j] for j in todo], aux_layers, batch_tokens)
                 for i, j in enumerate(todo):
                     n = len(rows["input_ids"][j])
                     writer.write_rows("aux_hidden", offsets[start + j], aux[i, :n].to(dtype).cpu())
@@ -513,15 +457,8 @@ def _collect_shard(
     finally:
         writer.abort()
         tmp.unlink(missing_ok=True)
-    return {
-        "file": final.name,
-        "index": shard.index,
-        "n_seq": len(shard.rows),
-        "n_tok": offsets[-1],
-        "loss_tokens": loss_tokens,
-        "captured_tokens": captured_tokens,
-        "sha256": sha,
-    }
+    return {"file": final.name, "index": shard.index, "n_seq": len(shard.rows), "n_tok": offsets[-1],
+            "loss_tokens": loss_tokens, "captured_tokens": captured_tokens, "sha256": sha}
 
 
 def _check_disk(
@@ -581,37 +518,8 @@ def _scan_finished(
     return entries, todo
 
 
-def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
-    """Collect the target's hidden states over the prepared data into resumable shards; returns the manifest.
-
-    ``target`` is an ``eagle.targets.Target`` (frozen model on its device). Under ``torchrun`` /
-    ``accelerate launch`` every process takes shards ``i % world == rank`` and rank 0 writes the manifest.
-    """
-    from tqdm.auto import tqdm
-
-    from eagle.targets import check_aux_layers, default_aux_layers
-
-    cfg.validate()
-    data_dir = Path(data_dir)
-    out = Path(cfg.output_dir)
-    dtype = STORAGE_DTYPES[cfg.dtype]
-    if cfg.aux_layers is None:
-        aux_layers = default_aux_layers(target.num_layers)
-    else:
-        aux_layers = check_aux_layers(list(cfg.aux_layers), target.num_layers)
-    state = _distributed_state(_target_device(target))
-    rank, world, main = state.process_index, state.num_processes, state.is_main_process
-
-    header = {
-        "format": FORMAT,
-        "target": target.name,
-        "target_fingerprint": target.fingerprint,
-        "hidden_size": int(target.hidden_size),
-        "num_layers": int(target.num_layers),
-        "vocab_size": int(getattr(target, "vocab_size", 0) or 0),
-        "aux_layers": aux_layers,
-        "dtype": cfg.dtype,
-    }
+def _plan(cfg: CollectConfig, data_dir: Path) -> tuple[dict, dict, dict]:
+    """Per split: the prepared dataset, its shard plan, and what the manifest records of it."""
     datasets, plans, split_info = {}, {}, {}
     for split in cfg.splits:
         ds, lengths = _load_split(data_dir, split, cfg.max_sequences)
@@ -625,92 +533,106 @@ def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
             "num_tokens": sum(s.n_tok for s in plans[split]),
             "num_shards": len(plans[split]),
         }
-    old = _check_compatible(out, header, split_info)
-    captured = _captured_lookup(data_dir, target, aux_layers, cfg.dtype)
+    return datasets, plans, split_info
 
+
+def _announce(out: Path, header: dict, split_info: dict, old: dict | None, splits: Sequence[str]) -> None:
+    """Record what is being collected before any shard exists (rank 0), so that a rerun can check it."""
+    remove_stale_temps(out / "manifest.json")
+    kept = {k: v for k, v in ((old or {}).get("splits") or {}).items() if k not in splits}
+    write_json_atomic(
+        {**header, "complete": False, "splits": {**kept, **{k: {**v, "shards": []} for k, v in split_info.items()}}},
+        out / "manifest.json",
+    )
+
+
+def collect(cfg: CollectConfig, data_dir: str | os.PathLike, target) -> dict:
+    """Collect the target's hidden states over the prepared data into resumable shards; returns the manifest.
+
+    ``target`` is an ``eagle.targets.Target`` (frozen model on its device). Under ``torchrun`` /
+    ``accelerate launch`` every process takes shards ``i % world == rank`` and rank 0 writes the manifest.
+    """
+    from eagle.features import check_aux_layers, default_aux_layers
+
+    cfg.validate()
+    data_dir, out = Path(data_dir), Path(cfg.output_dir)
+    aux_layers = (default_aux_layers(target.num_layers) if cfg.aux_layers is None
+                  else check_aux_layers(list(cfg.aux_layers), target.num_layers))
+    state = process_state(model_device(target.model))
+    header = {
+        "format": FORMAT, "target": target.name, "target_fingerprint": target.fingerprint,
+        "hidden_size": int(target.hidden_size), "num_layers": int(target.num_layers),
+        "vocab_size": int(getattr(target, "vocab_size", 0) or 0), "aux_layers": aux_layers, "dtype": cfg.dtype,
+    }
+    datasets, plans, split_info = _plan(cfg, data_dir)
+    old = _check_compatible(out, header, split_info)
     bpt = bytes_per_token(len(aux_layers), target.hidden_size, cfg.dtype)
     all_shards = [s for split in cfg.splits for s in plans[split]]
-    _check_disk(cfg, out, all_shards, bpt, f"{len(aux_layers)}+1 x {target.hidden_size} x {cfg.dtype}", main)
-
+    _check_disk(cfg, out, all_shards, bpt, f"{len(aux_layers)}+1 x {target.hidden_size} x {cfg.dtype}",
+                state.is_main_process)
     known = _known_checksums(out)  # before rank 0 rewrites manifest.json below
     for split in cfg.splits:
         (out / split).mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()
-    if main:  # record what is being collected before any shard exists, so a rerun can check it
-        remove_stale_temps(out / "manifest.json")
-        kept = {k: v for k, v in ((old or {}).get("splits") or {}).items() if k not in cfg.splits}
-        write_json_atomic(
-            {
-                **header,
-                "complete": False,
-                "splits": {**kept, **{k: {**v, "shards": []} for k, v in split_info.items()}},
-            },
-            out / "manifest.json",
-        )
+    if state.is_main_process:
+        _announce(out, header, split_info, old, cfg.splits)
     state.wait_for_everyone()
-
     # this process's slice: global shard order across splits, dealt round robin
-    mine = [s for g, s in enumerate(all_shards) if g % world == rank]
-    progress_path = out / f"manifest.r{rank}.json"
-    remove_stale_temps(progress_path)
-    entries, todo = _scan_finished(out, mine, header, split_info, known)
-
-    def save_progress() -> None:
-        write_json_atomic(
-            {"rank": rank, "world": world, "splits": {k: {"shards": v} for k, v in entries.items()}},
-            progress_path,
-        )
-
-    save_progress()
-    t0 = time.perf_counter()
-    computed = copied = 0
-    if todo:
-        bar = tqdm(
-            total=sum(s.n_tok for s in todo), unit="tok", unit_scale=True, desc="collect", disable=not main
-        )
-        try:
-            for shard in todo:
-                final = out / shard.split / shard_file_name(rank, shard.index)
-                meta = _shard_meta(header, split_info[shard.split], shard)
-                entry = _collect_shard(
-                    shard,
-                    datasets[shard.split],
-                    target,
-                    aux_layers,
-                    dtype,
-                    cfg.batch_tokens,
-                    final,
-                    meta,
-                    bar,
-                    captured.get(shard.split),
-                )
-                copied += entry.pop("captured_tokens")  # logged, not kept: a resumed run's manifest is the same
-                entries[shard.split].append(entry)
-                computed += entry["n_tok"]
-                save_progress()
-        finally:
-            bar.close()
-    elapsed = time.perf_counter() - t0
-    rate = computed / max(elapsed, 1e-9)
-    log.info(
-        "rank %d: %d tokens in %.1fs (%.0f tokens/s), %d bytes/token", rank, computed, elapsed, rate, bpt
-    )
-    if main:
-        done_before = len(mine) - len(todo)
-        kept = f", {copied:,} of them copied from regeneration's captures" if captured else ""
-        print(
-            f"collect: {computed:,} tokens in {elapsed:.1f}s ({rate:,.0f} tokens/s on this process{kept}), "
-            f"{bpt:,} bytes/token; {done_before} of this process's {len(mine)} shards were already done",
-            flush=True,
-        )
-
+    mine = [s for g, s in enumerate(all_shards) if g % state.num_processes == state.process_index]
+    work = _Work(out, state, header, split_info, known, mine)
+    work.run(datasets, target, aux_layers, cfg, _captured_lookup(data_dir, target, aux_layers, cfg.dtype), bpt)
     state.wait_for_everyone()
-    if main:
-        manifest = _merge(out, header, split_info, plans, world, old, cfg.splits)
+    if state.is_main_process:
+        manifest = _merge(out, header, split_info, plans, state.num_processes, old, cfg.splits)
     state.wait_for_everyone()
-    if not main:
-        manifest = _read_json(out / "manifest.json")
-    return manifest
+    return manifest if state.is_main_process else read_json(out / "manifest.json")
+
+
+class _Work:
+    """This process's shards: those already done (verified), those to write, and the progress file."""
+
+    def __init__(self, out: Path, state: Any, header: dict, split_info: dict, known: dict, mine: list[ShardPlan]):
+        self.out, self.state, self.header, self.split_info, self.mine = out, state, header, split_info, mine
+        self.rank, self.world = state.process_index, state.num_processes
+        self.progress_path = out / f"manifest.r{self.rank}.json"
+        remove_stale_temps(self.progress_path)
+        self.entries, self.todo = _scan_finished(out, mine, header, split_info, known)
+        self.save_progress()
+
+    def save_progress(self) -> None:
+        shards = {k: {"shards": v} for k, v in self.entries.items()}
+        write_json_atomic({"rank": self.rank, "world": self.world, "splits": shards}, self.progress_path)
+
+    def run(self, datasets: dict, target: Any, aux_layers: list[int], cfg: CollectConfig, captured: dict,
+            bpt: int) -> None:
+        """Write every shard still to do, saving progress after each; then say how it went."""
+        from tqdm.auto import tqdm
+
+        t0 = time.perf_counter()
+        computed = copied = 0
+        if self.todo:
+            main = self.state.is_main_process
+            with tqdm(total=sum(s.n_tok for s in self.todo), unit="tok", unit_scale=True, desc="collect",
+                      disable=not main) as bar:
+                for shard in self.todo:
+                    final = self.out / shard.split / shard_file_name(self.rank, shard.index)
+                    meta = _shard_meta(self.header, self.split_info[shard.split], shard)
+                    entry = _collect_shard(shard, datasets[shard.split], target, aux_layers,
+                                           STORAGE_DTYPES[cfg.dtype], cfg.batch_tokens, final, meta, bar,
+                                           captured.get(shard.split))
+                    copied += entry.pop("captured_tokens")  # logged, not kept: a resumed run's manifest is the same
+                    self.entries[shard.split].append(entry)
+                    computed += entry["n_tok"]
+                    self.save_progress()
+        elapsed = time.perf_counter() - t0
+        rate = computed / max(elapsed, 1e-9)
+        log.info("rank %d: %d tokens in %.1fs (%.0f tokens/s), %d bytes/token", self.rank, computed, elapsed,
+                 rate, bpt)
+        if self.state.is_main_process:
+            kept = f", {copied:,} of them copied from regeneration's captures" if captured else ""
+            print(f"collect: {computed:,} tokens in {elapsed:.1f}s ({rate:,.0f} tokens/s on this process{kept}), "
+                  f"{bpt:,} bytes/token; {len(self.mine) - len(self.todo)} of this process's {len(self.mine)} "
+                  "shards were already done", flush=True)
 
 
 def _captured_lookup(data_dir: Path, target, aux_layers: list[int], dtype: str) -> dict[str, Callable]:
@@ -758,7 +680,7 @@ def _merge(
     """Rank 0: combine the processes' progress files into manifest.json (atomically)."""
     by_split: dict[str, dict[int, dict]] = {split: {} for split in splits}
     for r in range(world):
-        data = _read_json(out / f"manifest.r{r}.json") or {}
+        data = read_json(out / f"manifest.r{r}.json") or {}
         for split, entry in (data.get("splits") or {}).items():
             for s in entry.get("shards", []):
                 by_split[split][s["index"]] = s
@@ -782,193 +704,3 @@ def _merge(
     for path in out.glob("manifest.r*.json"):
         path.unlink(missing_ok=True)
     return manifest
-
-
-# ----------------------------------------------------------------------------------------------------------
-# reading
-
-
-def _check_manifest(manifest: dict, path: Path) -> None:
-    """The fields a reader relies on, with their types (a hand-edited or foreign manifest fails here, clearly)."""
-
-    def bad(what: str) -> EagleError:
-        return EagleError(
-            f"{path} is malformed ({what}): rerun `eagle collect` into a fresh collect.output_dir"
-        )
-
-    for key, kind in (("target", str), ("target_fingerprint", str), ("hidden_size", int), ("splits", dict)):
-        if not isinstance(manifest.get(key), kind):
-            raise bad(f"'{key}' must be a {kind.__name__}, got {manifest.get(key)!r:.60}")
-    layers = manifest.get("aux_layers")
-    if not isinstance(layers, list) or not layers or not all(isinstance(i, int) for i in layers):
-        raise bad(f"'aux_layers' must be a list of layer ids, got {layers!r:.60}")
-    if manifest.get("dtype") not in STORAGE_DTYPES:
-        raise bad(f"'dtype' must be one of {list(STORAGE_DTYPES)}, got {manifest.get('dtype')!r:.60}")
-    for split, entry in manifest["splits"].items():
-        shards = entry.get("shards") if isinstance(entry, dict) else None
-        if not isinstance(shards, list) or not all(
-            isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("sha256"), str)
-            for s in shards
-        ):
-            raise bad(f"split {split!r} needs a 'shards' list of {{file, sha256}} entries")
-
-
-def _check_shard_layout(
-    path: Path, layout: dict[str, tuple[str, list[int]]], offsets, num_aux: int, hidden: int, dtype: str
-) -> None:
-    """A shard must hold exactly the tensors of the documented layout, with the manifest's dtype and sizes."""
-
-    def dim0(name: str) -> int:
-        shape = layout.get(name, ("", []))[1]
-        return shape[0] if len(shape) == 1 else -1
-
-    n_seq, n_tok = dim0("seq_index"), dim0("input_ids")
-    expected = {
-        name: (_ST_DTYPE[tp], list(shape))
-        for name, tp, shape in _storage_layout(num_aux, hidden, STORAGE_DTYPES[dtype], n_tok, n_seq)
-    }
-    wrong = [
-        f"{name} {layout[name][0]} {layout[name][1]} (expected {want[0]} {want[1]})"
-        if name in layout
-        else f"{name} missing"
-        for name, want in expected.items()
-        if layout.get(name) != want
-    ]
-    wrong += [f"unexpected tensor {name}" for name in sorted(set(layout) - set(expected))]
-    if not wrong and (int(offsets[0]) != 0 or int(offsets[-1]) != n_tok or bool((offsets.diff() < 0).any())):
-        wrong.append("offsets do not cover the tokens in order")
-    if wrong:
-        raise EagleError(
-            f"shard {path} does not have the feature layout ({'; '.join(wrong[:3])}): it was not written by "
-            "`eagle collect` for this manifest; rerun `eagle collect` into a fresh collect.output_dir"
-        )
-
-
-class FeatureShards(torch.utils.data.Dataset):
-    """The collected features of one split as a torch Dataset of per-sequence dicts.
-
-    ``ds[i]`` -> ``input_ids`` long [T], ``loss_mask`` long [T], ``aux_hidden`` [T, k*h], ``last_hidden`` [T, h]
-    (storage dtype), read with safetensors slicing (memory mapped: only the rows asked for are touched).
-    Each shard's sha256 is checked against the manifest the first time it is used (``verify()`` checks all).
-    """
-
-    def __init__(
-        self,
-        directory: str | os.PathLike,
-        split: str = "train",
-        expected_fingerprint: str | None = None,
-        verify_checksums: bool = True,
-    ):
-        self.directory = Path(directory)
-        self.split = split
-        self.verify_checksums = verify_checksums
-        manifest = _read_json(self.directory / "manifest.json")
-        if manifest is None:
-            raise EagleError(
-                f"no features in {self.directory} (manifest.json missing): run `eagle collect` first"
-            )
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise EagleError(f"{self.directory} does not hold eagle features: point at a collect.output_dir")
-        if not manifest.get("complete"):
-            raise EagleError(
-                f"feature collection in {self.directory} is unfinished: rerun `eagle collect` to finish it"
-            )
-        _check_manifest(manifest, self.directory / "manifest.json")
-        if expected_fingerprint is not None and manifest["target_fingerprint"] != expected_fingerprint:
-            raise EagleError(
-                f"features in {self.directory} were collected for target {manifest['target']} (fingerprint "
-                f"{manifest['target_fingerprint'][:12]}), not the configured one (fingerprint "
-                f"{expected_fingerprint[:12]}): rerun `eagle collect` for this target into another collect.output_dir"
-            )
-        if split not in manifest["splits"]:
-            raise EagleError(
-                f"split {split!r} was not collected in {self.directory} (have {sorted(manifest['splits'])}): "
-                f"add it to collect.splits and rerun `eagle collect`"
-            )
-        self.manifest = manifest
-        self.aux_layers: list[int] = manifest["aux_layers"]
-        self.hidden_size: int = manifest["hidden_size"]
-        self.dtype: torch.dtype = STORAGE_DTYPES[manifest["dtype"]]
-        self.target_fingerprint: str = manifest["target_fingerprint"]
-        self._shards = manifest["splits"][split]["shards"]
-        self._paths = [self.directory / split / s["file"] for s in self._shards]
-        shard_of, starts, lengths, seq_index = [], [], [], []
-        for k, path in enumerate(self._paths):
-            if not path.is_file():
-                raise EagleError(f"shard {path} is missing: rerun `eagle collect` to rebuild it")
-            try:
-                with safe_open(str(path), framework="pt") as fh:
-                    layout = {
-                        k: (fh.get_slice(k).get_dtype(), fh.get_slice(k).get_shape()) for k in fh.keys()
-                    }
-                    offsets = fh.get_tensor("offsets") if "offsets" in layout else None
-                    rows = fh.get_tensor("seq_index") if "seq_index" in layout else None
-            except Exception as exc:
-                raise EagleError(
-                    f"shard {path} is corrupt ({exc}): rerun `eagle collect` to rebuild it"
-                ) from exc
-            _check_shard_layout(
-                path, layout, offsets, len(self.aux_layers), self.hidden_size, manifest["dtype"]
-            )
-            shard_of.append(torch.full((len(rows),), k, dtype=torch.int32))
-            starts.append(offsets[:-1])
-            lengths.append(offsets[1:] - offsets[:-1])
-            seq_index.append(rows)
-        self._shard_of = torch.cat(shard_of) if shard_of else torch.zeros(0, dtype=torch.int32)
-        self._starts = torch.cat(starts) if starts else torch.zeros(0, dtype=torch.int64)
-        self._lengths = torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int64)
-        self._seq_index = torch.cat(seq_index) if seq_index else torch.zeros(0, dtype=torch.int64)
-        self._verified: set[int] = set()
-        self._handles: dict[int, Any] = {}
-
-    def __len__(self) -> int:
-        return len(self._lengths)
-
-    def lengths(self) -> list[int]:
-        """Token count of every sequence (for length bucketing)."""
-        return self._lengths.tolist()
-
-    def seq_indices(self) -> list[int]:
-        """Row of every sequence in the prepared dataset."""
-        return self._seq_index.tolist()
-
-    def verify(self) -> None:
-        """Check every shard's sha256 now (EagleError on the first mismatch)."""
-        for k in range(len(self._paths)):
-            self._verify(k)
-
-    def _verify(self, k: int) -> None:
-        if k in self._verified:
-            return
-        if sha256_file(self._paths[k]) != self._shards[k]["sha256"]:
-            raise EagleError(
-                f"shard {self._paths[k]} is corrupt (checksum mismatch): rerun `eagle collect` to rebuild it"
-            )
-        self._verified.add(k)
-
-    def _handle(self, k: int):
-        if k not in self._handles:
-            self._handles[k] = safe_open(str(self._paths[k]), framework="pt")
-        return self._handles[k]
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        n = len(self)
-        if not -n <= i < n:
-            raise IndexError(f"index {i} out of range for {n} sequences")
-        i %= n
-        k = int(self._shard_of[i])
-        if self.verify_checksums:
-            self._verify(k)
-        a = int(self._starts[i])
-        b = a + int(self._lengths[i])
-        fh = self._handle(k)
-        return {
-            "input_ids": fh.get_slice("input_ids")[a:b].long(),
-            "loss_mask": fh.get_slice("loss_mask")[a:b].long(),
-            "aux_hidden": fh.get_slice("aux_hidden")[a:b],
-            "last_hidden": fh.get_slice("last_hidden")[a:b],
-        }
-
-    def __getstate__(self) -> dict:
-        # open file handles do not pickle (DataLoader workers reopen them)
-        return {**self.__dict__, "_handles": {}}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from eagle.errors import EagleError
+from eagle.fileio import save_figure_atomic, write_text_atomic
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "training_curves.png"
@@ -70,9 +71,7 @@ class MetricsLogger:
         kept = [
             e for e in read_metrics(self.path) if resume_step is not None and e.get("step", 0) <= resume_step
         ]
-        tmp = self.path.with_name(f".{METRICS_FILE}.tmp")
-        tmp.write_text("".join(json.dumps(e) + "\n" for e in kept), encoding="utf-8")
-        os.replace(tmp, self.path)
+        write_text_atomic("".join(json.dumps(e) + "\n" for e in kept), self.path)
         self._fh = open(self.path, "a", encoding="utf-8")
         reporters = [r for r in report_to if r != "none"]
         try:
@@ -90,7 +89,7 @@ class MetricsLogger:
         except ImportError as exc:
             raise EagleError(
                 f"train.report_to includes tensorboard but it cannot be imported ({exc}): "
-                "`pip install tensorboard` or remove it from train.report_to"
+                'pip install "eagle-heads[tensorboard]" or remove it from train.report_to'
             ) from exc
         # purge_step hides events a killed run wrote after the checkpoint we resume from
         return SummaryWriter(str(self.dir / "tb"), purge_step=(resume_step + 1) if resume_step else None)
@@ -100,14 +99,14 @@ class MetricsLogger:
             import wandb
         except ImportError as exc:
             raise EagleError(
-                f"train.report_to includes wandb but it cannot be imported ({exc}): `pip install wandb` or "
+                f"train.report_to includes wandb but it cannot be imported ({exc}): pip install \"eagle-heads[wandb]\" or "
                 "remove it from train.report_to"
             ) from exc
         id_file = self.dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else None
         if run_id is None:
             run_id = uuid.uuid4().hex[:12]
-            id_file.write_text(run_id + "\n")
+            write_text_atomic(run_id + "\n", id_file)
         try:
             return wandb.init(
                 project=project,
@@ -199,7 +198,6 @@ def plot_metrics(metrics_path: str | os.PathLike, out_png: str | os.PathLike) ->
     if ax_acc.lines:
         ax_acc.legend()
     fig.tight_layout()
-    out_png = Path(out_png)
-    fig.savefig(out_png, dpi=100)
+    save_figure_atomic(fig, out_png, dpi=100)
     plt.close(fig)
-    return out_png
+    return Path(out_png)

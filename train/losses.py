@@ -240,29 +240,8 @@ def eagle3_ttt_loss(
     if head.training:
         aux = add_feature_noise(aux.float(), noise_std)
     hidden = head.project(aux)
-    # counted[j][b, i]: step j's prediction at root i has a label (x_{i+j+2} loss-masked, inputs real)
-    counted, valid = [], am & _shift(am, 1, False) & _shift(am, 2, False)
-    for j in range(ttt_steps):
-        counted.append(valid & _shift(lm, j + 2, False))
-        valid = valid & _shift(am, j + 3, False)
-
-    # the target's label distributions only at the positions some step reads one (the label of root i at
-    # step j is the target's distribution at i+j+1): [N, draft_vocab], ``slot`` maps (b, position) to its row
-    labelled = torch.zeros_like(am)
-    for j, c in enumerate(counted):
-        labelled[:, j + 1 :] |= c[:, : t - j - 1]
-    slot = (labelled.flatten().cumsum(0) - 1).view_as(labelled)
-    draft_ids = torch.arange(head.d2t.numel(), device=ids.device) + head.d2t.to(ids.device)
-    label_hidden = batch["last_hidden"][labelled.to(batch["last_hidden"].device)]
-    draft_logits = _target_logits_at(target_lm_head, label_hidden, draft_ids).to(ids.device)
-    if exact_top1 and "target_top" in batch:  # given by a caller that keeps them (validation, train/trainer.py)
-        target_top = batch["target_top"].to(ids.device)[labelled]
-    elif exact_top1:
-        target_top = target_argmax(target_lm_head, label_hidden).to(ids.device)
-    else:
-        target_top = draft_ids[draft_logits.argmax(-1)]
-    target_logp = torch.log_softmax(draft_logits, dim=-1)
-    del draft_logits
+    counted = _counted(am, lm, ttt_steps)
+    labels = _Labels(head, batch, counted, target_lm_head, exact_top1)
     chains, needed = None, counted[0]
     if ttt_steps > 1:  # steps 1.. only along the chains that reach a label
         later = torch.stack(counted[1:]).any(0)
@@ -278,23 +257,7 @@ def eagle3_ttt_loss(
     for j, out in enumerate(outs):
         # roots of this step's rows: step 0's queried positions, then the chains
         roots = (every if rows0 is None else rows0) if j == 0 else chains
-        mask = counted[j].gather(1, roots)
-        count = mask.sum()
-        if not bool(mask.any()):
-            # nothing to learn here, but every parameter stays in the graph (DDP expects gradients for all)
-            loss_j = 0.0 * head.logits(out[:, :1]).float().sum()
-            acc_j = total.new_zeros(())
-        else:
-            # logits only where a label counts: [N, draft_vocab]
-            logits = head.logits(out[mask]).float()
-            label = (roots + j + 1).clamp(max=t - 1)[mask]
-            rows = torch.arange(ids.shape[0], device=ids.device)[:, None].expand_as(roots)[mask]
-            at = slot[rows, label]
-            p = target_logp[at].exp()
-            ce = -(p * torch.log_softmax(logits, dim=-1)).sum(-1)
-            loss_j = ce.sum() / count
-            hit = head.draft_to_target(logits.argmax(-1)) == target_top[at]
-            acc_j = hit.sum() / count
+        loss_j, acc_j, count = labels.step_loss(head, out, roots, counted[j].gather(1, roots), j)
         total = total + step_decay**j * loss_j
         metrics[f"loss_{j}"] = loss_j.detach()
         metrics[f"acc_{j}"] = acc_j.detach().float()
@@ -303,6 +266,56 @@ def eagle3_ttt_loss(
         total = total + 0.0 * hidden.sum()
     metrics["loss"] = total.detach()
     return total, metrics
+
+
+def _counted(am: torch.Tensor, lm: torch.Tensor, ttt_steps: int) -> list[torch.Tensor]:
+    """``counted[j][b, i]``: step j's prediction at root i has a label (x_{i+j+2} loss-masked, inputs real)."""
+    counted, valid = [], am & _shift(am, 1, False) & _shift(am, 2, False)
+    for j in range(ttt_steps):
+        counted.append(valid & _shift(lm, j + 2, False))
+        valid = valid & _shift(am, j + 3, False)
+    return counted
+
+
+class _Labels:
+    """The target's label distributions (over the draft vocabulary) and top tokens, computed only at the positions
+    some TTT step reads a label from (the label of root i at step j is the target's distribution at i+j+1)."""
+
+    def __init__(self, head: nn.Module, batch: dict, counted: list[torch.Tensor], target_lm_head: nn.Module,
+                 exact_top1: bool):
+        ids = batch["input_ids"]
+        t = ids.shape[1]
+        labelled = torch.zeros_like(counted[0]) if counted else torch.zeros_like(ids, dtype=torch.bool)
+        for j, c in enumerate(counted):
+            labelled[:, j + 1 :] |= c[:, : t - j - 1]
+        self.t = t
+        self.slot = (labelled.flatten().cumsum(0) - 1).view_as(labelled)  # (b, position) -> its row
+        draft_ids = torch.arange(head.d2t.numel(), device=ids.device) + head.d2t.to(ids.device)
+        label_hidden = batch["last_hidden"][labelled.to(batch["last_hidden"].device)]
+        draft_logits = _target_logits_at(target_lm_head, label_hidden, draft_ids).to(ids.device)
+        if exact_top1 and "target_top" in batch:  # given by a caller that keeps them (validation)
+            self.top = batch["target_top"].to(ids.device)[labelled]
+        elif exact_top1:
+            self.top = target_argmax(target_lm_head, label_hidden).to(ids.device)
+        else:
+            self.top = draft_ids[draft_logits.argmax(-1)]
+        self.logp = torch.log_softmax(draft_logits, dim=-1)  # [N, draft_vocab]
+
+    def step_loss(self, head: nn.Module, out: torch.Tensor, roots: torch.Tensor, mask: torch.Tensor, j: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cross-entropy against the labels, top-1 accuracy, label count) of TTT step ``j``'s outputs ``out``
+        at ``roots`` where ``mask`` holds."""
+        count = mask.sum()
+        if not bool(mask.any()):
+            # nothing to learn here, but every parameter stays in the graph (DDP expects gradients for all)
+            return 0.0 * head.logits(out[:, :1]).float().sum(), out.new_zeros((), dtype=torch.float32), count
+        logits = head.logits(out[mask]).float()  # logits only where a label counts: [N, draft_vocab]
+        label = (roots + j + 1).clamp(max=self.t - 1)[mask]
+        rows = torch.arange(roots.shape[0], device=roots.device)[:, None].expand_as(roots)[mask]
+        at = self.slot[rows, label]
+        ce = -(self.logp[at].exp() * torch.log_softmax(logits, dim=-1)).sum(-1)
+        hit = head.draft_to_target(logits.argmax(-1)) == self.top[at]
+        return ce.sum() / count, hit.sum() / count, count
 
 
 def eagle1_loss(

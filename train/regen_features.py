@@ -83,7 +83,7 @@ class FeatureCapture:
         self._last: list[list[torch.Tensor]] = []
 
     def _select(self, hidden_states: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        from eagle.targets import select_features
+        from eagle.features import select_features
 
         aux, last = select_features(self.model, hidden_states, self.aux_layers, torch.device("cpu"))
         return aux.to(self.dtype), last.to(self.dtype)

@@ -1,8 +1,8 @@
 """The training loop (``eagle train``): a draft head on a frozen target, offline (feature shards) or online.
 
-One entry point for every launcher: ``python -m train.trainer --config run.yaml key=value ...`` (or ``eagle
-train``) runs as one process, under ``torchrun`` / ``accelerate launch`` (DDP, gloo on CPU), under
-``accelerate launch --use_deepspeed`` or the ``deepspeed`` launcher with ``train.deepspeed=<json>`` (ZeRO-2/3).
+:func:`train` runs on every process of a launch (``eagle train`` / ``python -m recipes train``: one process, under
+``torchrun`` / ``accelerate launch`` (DDP, gloo on CPU), under ``accelerate launch --use_deepspeed`` or the
+``deepspeed`` launcher with ``train.deepspeed=<json>`` (ZeRO-2/3)).
 
 Every process loads the frozen target (its embeddings and lm_head feed the loss; online mode also runs it inside
 the step). Batches are planned globally (:mod:`train.batching`), so N processes with ``batch_size`` b train on
@@ -15,13 +15,9 @@ grad_accum and processes) are weighted equally -- as in most trainers.
 
 from __future__ import annotations
 
-import argparse
-import contextlib
 import dataclasses
-import json
 import math
 import os
-import random
 import shutil
 import sys
 import time
@@ -31,43 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import numpy as np
 import torch
 from torch import nn
 
 from eagle.deadline import Deadline, check_minutes
 from eagle.errors import EagleError
+from eagle.heads import HeadConfig
+from train.batching import open_sources, prepare_batch
+from train.checkpoint import resolve_resume
+from train.launch import load_target_here, make_accelerator, seed_all
+from train.validation import validate as run_validation
+from train.vocab import draft_vocab_for_run
 
 REPORTERS = ("none", "tensorboard", "wandb")
 MIN_LENGTH = 3  # tokens a sequence needs to give one training label
-
-
-@dataclass
-class HeadSpec:
-    """The ``head:`` section: what kind of head to train (its shapes come from the target)."""
-
-    kind: Literal["eagle3", "eagle1"] = "eagle3"
-    draft_vocab_size: int = 8192  # eagle3 only: most frequent loss-masked training tokens
-    aux_layers: list[int] | None = None  # eagle3: None = the features' layers (offline) or the target default
-    init_from: str | None = None  # a head folder (model.safetensors + head_config.json) to start from
-    # eagle1 only: EAGLE-1/2 (the EAGLE repository, SGLang) give fc a bias; vLLM's EAGLE-1 model has none and
-    # drops it silently, so train without one for vLLM
-    fc_bias: bool = True
-
-    def validate(self) -> HeadSpec:
-        """Raise EagleError on values that cannot work; returns self."""
-        if self.kind not in ("eagle3", "eagle1"):
-            raise EagleError(f"head.kind must be eagle3 or eagle1, got {self.kind!r}")
-        if self.draft_vocab_size < 1:
-            raise EagleError(f"head.draft_vocab_size must be >= 1, got {self.draft_vocab_size}")
-        if self.aux_layers is not None and (
-            not self.aux_layers or len(set(self.aux_layers)) != len(self.aux_layers)
-        ):
-            raise EagleError(
-                f"head.aux_layers must list distinct hidden-state ids, got {self.aux_layers}: "
-                "or leave it unset for the default"
-            )
-        return self
 
 
 @dataclass
@@ -75,6 +48,7 @@ class TrainConfig:
     """The ``train:`` section."""
 
     mode: Literal["offline", "online"] = "offline"
+    init_from: str | None = None  # a head folder (model.safetensors + head_config.json) to start from
     output_dir: str = "{run_dir}/train"  # checkpoints/, final/, metrics.jsonl, curves, tb/, wandb/
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; caps ``epochs`` when set
@@ -174,7 +148,7 @@ class TrainResult:
     final_dir: Path
     global_step: int
     last_checkpoint: Path | None
-    eval_metrics: dict[str, float] = field(default_factory=dict)
+    val_metrics: dict[str, float] = field(default_factory=dict)
     resumed_from: Path | None = None
 
 
@@ -217,161 +191,8 @@ class HeadWithLoss(nn.Module):
 # ------------------------------------------------------------------------------------------------- setup
 
 
-def _mixed_precision(cfg: TrainConfig) -> str:
-    """``train.bf16``: auto = bf16 autocast on a GPU with bf16, and on a CPU with bf16 instructions (AVX512-BF16 /
-    AMX), where it trains the SmolLM2 demo head ~1.7x faster with the same accuracy (TUNING.md run 35)."""
-    if cfg.bf16 == "auto":
-        if torch.cuda.is_available():
-            return "bf16" if torch.cuda.is_bf16_supported() else "no"
-        from eagle.targets import cpu_has_fast_bf16
-
-        return "bf16" if cpu_has_fast_bf16() else "no"
-    return "bf16" if cfg.bf16 else "no"
-
-
-def _make_accelerator(cfg: TrainConfig):
-    """An Accelerator for this launch: plain / DDP (gloo on CPU) / DeepSpeed (from train.deepspeed or from
-    ``accelerate launch --use_deepspeed``)."""
-    from accelerate import Accelerator
-    from accelerate.utils import DeepSpeedPlugin, InitProcessGroupKwargs
-
-    cuda = torch.cuda.is_available()
-    kwargs: dict[str, Any] = dict(
-        gradient_accumulation_steps=cfg.grad_accum,
-        mixed_precision=_mixed_precision(cfg),
-    )
-    use_ds = cfg.deepspeed is not None or os.environ.get("ACCELERATE_USE_DEEPSPEED", "").lower() == "true"
-    if use_ds:
-        # accelerate only turns DeepSpeed on from this flag (the deepspeed launcher does not set it)
-        os.environ["ACCELERATE_USE_DEEPSPEED"] = "true"
-        if cfg.deepspeed is not None:
-            try:
-                ds_config = json.loads(Path(cfg.deepspeed).read_text(encoding="utf-8"))
-            except ValueError as exc:
-                raise EagleError(
-                    f"train.deepspeed {cfg.deepspeed} is not valid JSON ({exc}): fix the file"
-                ) from exc
-            kwargs["deepspeed_plugin"] = DeepSpeedPlugin(hf_ds_config=ds_config)
-        if not cuda:  # DeepSpeed on CPU processes: accelerate must be told to use gloo
-            kwargs["kwargs_handlers"] = [InitProcessGroupKwargs(backend="gloo")]
-    else:
-        kwargs["cpu"] = not cuda
-    accelerator = Accelerator(**kwargs)
-    from eagle.targets import avoid_cudnn_attention
-
-    avoid_cudnn_attention(accelerator.device)  # batches of varying length would each set up a cuDNN plan
-    if accelerator.distributed_type.name == "DEEPSPEED":
-        _fill_deepspeed_config(accelerator.state.deepspeed_plugin.deepspeed_config, cfg)
-    return accelerator
-
-
-def _fill_deepspeed_config(ds: dict, cfg: TrainConfig) -> None:
-    """Fill the DeepSpeed config's ``auto`` values from train.* (and refuse contradicting fixed values)."""
-    fixed = ds.get("gradient_accumulation_steps", "auto")
-    if fixed != "auto" and int(fixed) != cfg.grad_accum:
-        raise EagleError(
-            f"the DeepSpeed config sets gradient_accumulation_steps={fixed} but train.grad_accum={cfg.grad_accum}: "
-            'set it to "auto" in the JSON (train.grad_accum then decides)'
-        )
-    ds["gradient_accumulation_steps"] = cfg.grad_accum
-    if ds.get("train_micro_batch_size_per_gpu", "auto") == "auto":
-        # token-budget batches vary in size; DeepSpeed only uses this number for bookkeeping
-        ds["train_micro_batch_size_per_gpu"] = cfg.batch_size if cfg.batch_tokens is None else 1
-    if ds.get("gradient_clipping", "auto") == "auto":
-        ds["gradient_clipping"] = cfg.max_grad_norm
-    ds.setdefault("zero_allow_untested_optimizer", True)
-
-
-def _seed_all(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
-
-
-def _load_target(target: Any, accelerator) -> Any:
-    """A ``Target``: as given, or loaded from a TargetConfig / name onto this process's device."""
-    from eagle.targets import Target, TargetConfig, load_target
-
-    if isinstance(target, Target):
-        return target
-    if target is None:
-        raise EagleError("no target given: set target.name in the run config")
-    tcfg = target if isinstance(target, TargetConfig) else TargetConfig(name=str(target))
-    if accelerator.device.type == "cuda":
-        # one full copy per process, on its own GPU (DDP / ZeRO shard only the head)
-        tcfg = dataclasses.replace(tcfg, device=f"cuda:{accelerator.device.index or 0}")
-    with _without_zero3_init(accelerator):
-        return load_target(tcfg)
-
-
-@contextlib.contextmanager
-def _without_zero3_init(accelerator):
-    """Under ZeRO-3 accelerate makes transformers build models partitioned (zero.Init); the frozen target must
-    stay whole on every process, so that is switched off while it loads."""
-    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
-    from transformers.integrations import is_deepspeed_zero3_enabled, unset_hf_deepspeed_config
-
-    if plugin is None or not is_deepspeed_zero3_enabled():
-        yield
-        return
-    unset_hf_deepspeed_config()
-    try:
-        yield
-    finally:
-        plugin.set_deepspeed_weakref()
-
-
-def _resolve_resume(cfg: TrainConfig, root: Path) -> Path | None:
-    """The checkpoint to resume from (None: a fresh start)."""
-    from train import checkpoint as ck
-
-    if cfg.resume == "never":
-        return None
-    if cfg.resume == "auto":
-        return ck.find_latest(root)
-    path = Path(cfg.resume)
-    if path.is_dir() and ck.is_complete(path):
-        return path
-    for candidate in (path, path / "checkpoints"):
-        found = ck.find_latest(candidate) if candidate.is_dir() else None
-        if found is not None:
-            return found
-    raise EagleError(
-        f"train.resume={cfg.resume!r} is neither a complete checkpoint nor a folder holding one: pass a "
-        "checkpoints/step-* folder, or use train.resume=auto / never"
-    )
-
-
-def _open_data(cfg: TrainConfig, data_dir, features_dir, fingerprint: str):
-    """(train source, val source or None) for the mode."""
-    from train.batching import PreparedSequences, ShardSequences
-
-    if cfg.mode == "offline":
-        if not features_dir:
-            raise EagleError(
-                "train.mode=offline needs collected features: set collect.output_dir (or train online)"
-            )
-        train_src = ShardSequences(features_dir, "train", fingerprint, cfg.max_length)
-        has_val = "val" in train_src.shards.manifest.get("splits", {})
-        val_src = ShardSequences(features_dir, "val", fingerprint, cfg.max_length) if has_val else None
-        return train_src, val_src
-    if not data_dir:
-        raise EagleError("train.mode=online needs prepared data: set data.output_dir (run `eagle prepare`)")
-    train_src = PreparedSequences(data_dir, "train", cfg.max_length)
-    val_src = None
-    if (Path(data_dir) / "val").is_dir():
-        try:
-            val_src = PreparedSequences(data_dir, "val", cfg.max_length)
-        except EagleError as exc:
-            # e.g. an empty split (datasets cannot reload one): train without evaluation
-            warnings.warn(f"no usable validation split, training without evaluation: {exc}", stacklevel=3)
-    return train_src, val_src
-
-
-def _aux_layers(spec: HeadSpec, train_src, target) -> list[int]:
-    from eagle.targets import check_aux_layers, default_aux_layers
+def _aux_layers(spec: HeadConfig, train_src, target) -> list[int]:
+    from eagle.features import check_aux_layers, default_aux_layers
 
     stored = getattr(train_src, "aux_layers", None)
     if stored is not None:  # offline: the features decide
@@ -384,81 +205,6 @@ def _aux_layers(spec: HeadSpec, train_src, target) -> list[int]:
     if spec.aux_layers is not None:
         return check_aux_layers(list(spec.aux_layers), target.num_layers)
     return default_aux_layers(target.num_layers)
-
-
-def _count_training_tokens(train_src, vocab_size: int) -> torch.Tensor:
-    from train.vocab import count_tokens
-
-    return count_tokens(train_src.token_pairs(), vocab_size)
-
-
-def _draft_vocab(
-    spec: HeadSpec, hcfg, train_src, out: Path, resume_path: Path | None, accelerator, init_state: dict | None
-) -> tuple[tuple[torch.Tensor, torch.Tensor], str | None]:
-    """The eagle3 draft vocabulary: loaded from the checkpoint on resume (never rebuilt), taken from
-    ``init_from`` when that head has one, else built from the training data's loss-masked token counts (on the
-    main process) and saved as ``<output_dir>/draft_vocab.safetensors``. Returns (d2t, t2d), data fingerprint."""
-    from train import checkpoint as ck
-    from train.batching import counts_fingerprint
-    from train.vocab import build_draft_vocab, check_vocab, load_vocab, save_vocab
-
-    main = accelerator.is_main_process
-    vocab_file = out / ck.VOCAB_FILE
-    if resume_path is not None:
-        d2t, t2d = load_vocab(resume_path / ck.VOCAB_FILE)
-        saved_fp = ck.read_state(resume_path).get("vocab_data_fingerprint")
-        if main and saved_fp is not None:
-            now = counts_fingerprint(_count_training_tokens(train_src, hcfg.vocab_size))
-            if now != saved_fp:
-                warnings.warn(
-                    "the training data changed since the draft vocabulary was built; keeping the checkpoint's "
-                    "vocabulary (start a fresh run with train.resume=never to rebuild it)",
-                    stacklevel=3,
-                )
-        return (d2t, t2d), saved_fp
-    if init_state is not None and "d2t" in init_state and "t2d" in init_state:
-        d2t, t2d = init_state["d2t"].long(), init_state["t2d"].bool()
-        check_vocab(d2t, t2d)
-        return (d2t, t2d), None
-    # every process counts (cheap next to training, and no process waits on another's failure); main saves
-    counts = _count_training_tokens(train_src, hcfg.vocab_size)
-    if int(counts.sum()) == 0:
-        raise EagleError(
-            "the training data has no loss-masked tokens, so there is nothing to learn: check the loss masks "
-            "of the prepared data (assistant turns) and rerun `eagle prepare`"
-        )
-    d2t, t2d = build_draft_vocab(counts, hcfg.draft_vocab_size, hcfg.vocab_size)
-    fingerprint = counts_fingerprint(counts)
-    if main:
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = out / f".{ck.VOCAB_FILE}.tmp"
-        save_vocab(tmp, d2t, t2d)
-        os.replace(tmp, vocab_file)
-        info = {
-            "data_fingerprint": fingerprint,
-            "loss_tokens": int(counts.sum()),
-            "draft_vocab_size": hcfg.draft_vocab_size,
-            "coverage": float(counts[t2d].sum() / counts.sum()),
-        }
-        ck.write_json_atomic(info, out / "draft_vocab.json")
-    return (d2t, t2d), fingerprint
-
-
-def _check_checkpoint_head(saved: dict, hcfg, path: Path) -> None:
-    """A checkpoint must belong to this target and have this head's shapes."""
-    if saved.get("target_fingerprint") != hcfg.target_fingerprint:
-        raise EagleError(
-            f"checkpoint {path} was trained for target {saved.get('target_name')!r} (fingerprint "
-            f"{saved.get('target_fingerprint')}), not for {hcfg.target_name!r} ({hcfg.target_fingerprint}): "
-            "use another train.output_dir, or start fresh with train.resume=never"
-        )
-    current = hcfg.to_dict()
-    for key in ("kind", "hidden_size", "draft_vocab_size", "vocab_size", "aux_layers", "intermediate_size"):
-        if saved.get(key) != current.get(key):
-            raise EagleError(
-                f"checkpoint {path} has head.{key}={saved.get(key)!r} but this run has {current.get(key)!r}: "
-                "resume with the same head settings, use another train.output_dir, or train.resume=never"
-            )
 
 
 def _lr_lambda(total: int, warmup: int, min_ratio: float):
@@ -510,102 +256,6 @@ class _Window:
         return dict(zip(keys, stacked.tolist()))
 
 
-def _to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-
-
-def _add_features(batch: dict[str, torch.Tensor], target, aux_layers: list[int]) -> None:
-    """Online mode: run the frozen target on the batch and add its features."""
-    from eagle.targets import capture_features
-
-    with torch.no_grad():
-        ids = batch["input_ids"].to(target.device)
-        aux, last = capture_features(target.model, ids, batch["attention_mask"].to(target.device), aux_layers)
-    device = batch["input_ids"].device
-    batch["aux_hidden"], batch["last_hidden"] = aux.to(device), last.to(device)
-
-
-def _prepare_batch(batch, accelerator, online: bool, target, aux_layers) -> dict[str, torch.Tensor]:
-    batch = _to_device(batch, accelerator.device)
-    if online:
-        _add_features(batch, target, aux_layers)
-    return batch
-
-
-def evaluate(
-    model,
-    source,
-    plan: list[list[int]],
-    accelerator,
-    cfg: TrainConfig,
-    kind: str,
-    online: bool,
-    target,
-    aux_layers,
-    top1_cache: dict[int, torch.Tensor] | None = None,
-) -> dict[str, float]:
-    """Validation loss and top-1 accuracy (per TTT step for eagle3), token-weighted over all processes.
-
-    Every process runs the same number of forwards (a process without data in the last global batch runs a
-    dummy with weight 0), which DDP's buffer broadcast and ZeRO-3's parameter gathering need.
-
-    ``top1_cache`` (eagle3): the target's full-vocabulary argmax of every validation batch, by batch index, kept
-    by the caller from one evaluation to the next. The labels never change while the head trains, and that argmax
-    (a 49k-row fp32 lm_head over every position, for SmolLM2) was ~3/4 of an evaluation's time; the plan
-    yields the same batches in the same order every time, so an index names a batch."""
-    from train.batching import batch_loader, rank_slice
-    from train.losses import target_argmax
-
-    rank, world = accelerator.process_index, accelerator.num_processes
-    mine, weights = [], []
-    for gb in plan:
-        part = rank_slice(gb, rank, world)
-        mine.append(part or gb[:1])
-        weights.append(1.0 if part else 0.0)
-    steps = cfg.ttt_steps if kind == "eagle3" else 1
-    # per step j: [loss*count, acc*count, count]; eagle1 adds reg*count, ce*count
-    sums = torch.zeros(steps, 5, dtype=torch.float64, device=accelerator.device)
-    was_training = model.training
-    model.eval()
-    with torch.no_grad():
-        for i, (batch, weight) in enumerate(zip(batch_loader(source, mine, cfg.num_workers), weights)):
-            batch = _prepare_batch(batch, accelerator, online, target, aux_layers)
-            if top1_cache is not None and kind == "eagle3":
-                if i not in top1_cache:
-                    lm_head = target.model.get_output_embeddings()
-                    top1_cache[i] = target_argmax(lm_head, batch["last_hidden"])
-                batch["target_top"] = top1_cache[i]
-            _, m = model(batch)
-            for j in range(steps):
-                if kind == "eagle3":
-                    count = m[f"count_{j}"].double() * weight
-                    parts = [m[f"loss_{j}"], m[f"acc_{j}"], 1.0, 0.0, 0.0]
-                else:
-                    count = m["count"].double() * weight
-                    parts = [m["loss"], m["acc"], 1.0, m["loss_reg"], m["loss_ce"]]
-                sums[j] += torch.stack(
-                    [torch.as_tensor(p, device=count.device).double() * count for p in parts]
-                )
-    model.train(was_training)
-    sums = accelerator.reduce(sums, reduction="sum").cpu()
-    out: dict[str, float] = {}
-    if kind == "eagle3":
-        total = 0.0
-        for j in range(steps):
-            count = max(float(sums[j, 2]), 1.0)
-            out[f"val_loss_{j}"] = float(sums[j, 0]) / count
-            out[f"val_acc_{j}"] = float(sums[j, 1]) / count
-            total += cfg.step_decay**j * out[f"val_loss_{j}"]
-        out["val_loss"], out["val_acc"] = total, out["val_acc_0"]
-    else:
-        count = max(float(sums[0, 2]), 1.0)
-        out["val_loss"] = float(sums[0, 0]) / count
-        out["val_acc"] = float(sums[0, 1]) / count
-        out["val_loss_reg"], out["val_loss_ce"] = float(sums[0, 3]) / count, float(sums[0, 4]) / count
-    out["val_tokens"] = int(sums[0, 2])
-    return out
-
-
 def _is_finite_everywhere(value: torch.Tensor, accelerator) -> bool:
     bad = (~torch.isfinite(value.detach().float())).any().float().reshape(1).to(accelerator.device)
     return float(accelerator.reduce(bad, reduction="sum").item()) == 0.0
@@ -619,29 +269,22 @@ def _nonfinite_error(what: str, step: int) -> EagleError:
 
 
 def train(
-    run: Any = None,
     *,
     target: Any = None,
     data_dir: str | os.PathLike | None = None,
     features_dir: str | os.PathLike | None = None,
-    head: HeadSpec | None = None,
+    head: HeadConfig | None = None,
     cfg: TrainConfig | None = None,
     on_checkpoint: Callable[[Path, int], None] | None = None,
 ) -> TrainResult:
     """Train a draft head; returns where it went. Call it on every process of a launch.
 
-    ``run`` is a ``train.config.RunConfig`` (target, data.output_dir, collect.output_dir, head, train);
-    the keyword arguments replace its parts (``target`` may also be a loaded ``eagle.targets.Target``).
+    ``target``: a ``TargetConfig``, a name, or a loaded ``eagle.targets.Target``; ``data_dir``: the prepared data
+    (``eagle prepare``); ``features_dir``: the feature shards (``eagle collect``; offline mode).
     ``on_checkpoint(path, step)`` is called on the main process after each checkpoint is in place.
     """
-    if run is not None:
-        target = target if target is not None else run.target
-        data_dir = data_dir if data_dir is not None else run.data.output_dir
-        features_dir = features_dir if features_dir is not None else run.collect.output_dir
-        head = head if head is not None else run.head
-        cfg = cfg if cfg is not None else run.train
     cfg = (cfg or TrainConfig()).validate()
-    spec = (head or HeadSpec()).validate()
+    spec = (head or HeadConfig()).validate()
     if "{run_dir}" in cfg.output_dir:
         raise EagleError(
             f"train.output_dir {cfg.output_dir!r} still holds {{run_dir}}: give a real directory"
@@ -657,7 +300,7 @@ def train(
         torch.use_deterministic_algorithms(previous_det)
 
 
-def _train(cfg: TrainConfig, spec: HeadSpec, target, data_dir, features_dir, on_checkpoint) -> TrainResult:
+def _train(cfg: TrainConfig, spec: HeadConfig, target, data_dir, features_dir, on_checkpoint) -> TrainResult:
     run = _Run(cfg, spec, target, data_dir, features_dir, on_checkpoint)
     try:
         run.fit()
@@ -667,80 +310,139 @@ def _train(cfg: TrainConfig, spec: HeadSpec, target, data_dir, features_dir, on_
         raise
 
 
+def _clean_output(cfg: TrainConfig, out: Path, ckpt_root: Path) -> None:
+    """The output folder, without the temporary leftovers of a killed run (and, with ``resume: never``, without
+    earlier checkpoints)."""
+    from train import checkpoint as ck
+
+    out.mkdir(parents=True, exist_ok=True)
+    ck.clean_stale(ckpt_root)
+    if cfg.resume == "never" and ckpt_root.is_dir():
+        for old in ck.list_checkpoints(ckpt_root):
+            ck.remove_tree(old)
+        (ckpt_root / ck.LATEST).unlink(missing_ok=True)
+
+
+def _usable_lengths(lengths: list[int], allow_empty: bool = False) -> list[int]:
+    """Sequence lengths with the ones too short for a label set to 0 (the head at i predicts x_{i+2}, so a
+    sequence needs 3 tokens); an error when none is left (unless ``allow_empty``)."""
+    usable = [n if n >= MIN_LENGTH else 0 for n in lengths]
+    if not any(usable) and not allow_empty:
+        raise EagleError(
+            f"the training data is empty (no sequences with at least {MIN_LENGTH} tokens): run `eagle "
+            "prepare` (and `eagle collect` for offline training) on a non-empty data set"
+        )
+    return usable
+
+
 class _Run:
     """One training run on this process: set up in ``__init__``, then :meth:`fit` and :meth:`finish`."""
 
-    def __init__(self, cfg: TrainConfig, spec: HeadSpec, target, data_dir, features_dir, on_checkpoint):
-        from eagle.heads import HeadConfig, build_head
-        from train import checkpoint as ck
-        from train.batching import plan_epoch, plan_eval
+    def __init__(self, cfg: TrainConfig, spec: HeadConfig, target, data_dir, features_dir, on_checkpoint):
+        from train.batching import plan_eval
         from train.logging import MetricsLogger
 
         self.cfg, self.on_checkpoint = cfg, on_checkpoint
         self.deadline = Deadline(cfg.max_minutes)  # loading counts too
-        self.accelerator = acc = _make_accelerator(cfg)
+        self.accelerator = acc = make_accelerator(cfg)
         self.rank, self.world, self.main = acc.process_index, acc.num_processes, acc.is_main_process
         self.deepspeed = acc.distributed_type.name == "DEEPSPEED"
         self.out = Path(cfg.output_dir)
         self.ckpt_root = self.out / "checkpoints"
-        self.target = target = _load_target(target, acc)
+        shard = (cfg.mode == "online" and acc.num_processes > 1 and getattr(target, "shard", "none") == "auto"
+                 and not self.deepspeed)
+        self.target = target = load_target_here(target, acc, shard)
+        if shard and self.main:
+            from train.launch import local_parameters
 
-        self.resume_path = resume_path = _resolve_resume(cfg, self.ckpt_root)
+            whole = sum(p.numel() for p in target.model.parameters())  # a sharded parameter reports its full size
+            print(f"train: target sharded across {self.world} processes: this process holds "
+                  f"{local_parameters(target.model):,} of {whole:,} parameters", flush=True)
+        self.resume_path = resume_path = resolve_resume(cfg.resume, self.ckpt_root)
         if self.main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            ck.clean_stale(self.ckpt_root)
-            if cfg.resume == "never" and self.ckpt_root.is_dir():
-                for old in ck.list_checkpoints(self.ckpt_root):
-                    ck.remove_tree(old)
-                (self.ckpt_root / ck.LATEST).unlink(missing_ok=True)
+            _clean_output(cfg, self.out, self.ckpt_root)
         acc.wait_for_everyone()
 
         # ---- data and head
-        self.train_src, self.val_src = _open_data(cfg, data_dir, features_dir, target.fingerprint)
-        # a sequence needs 3 tokens for one label (the head at i predicts x_{i+2}); shorter ones are skipped
-        self.lengths = lengths = [n if n >= MIN_LENGTH else 0 for n in self.train_src.lengths()]
-        if not any(lengths):
-            raise EagleError(
-                f"the training data is empty (no sequences with at least {MIN_LENGTH} tokens): run `eagle "
-                "prepare` (and `eagle collect` for offline training) on a non-empty data set"
-            )
+        self.train_src, self.val_src = open_sources(cfg.mode, data_dir, features_dir, target.fingerprint, cfg.max_length)
+        self.lengths = _usable_lengths(self.train_src.lengths())
         self.aux_layers = _aux_layers(spec, self.train_src, target)
-        if spec.kind == "eagle3" and spec.draft_vocab_size > target.vocab_size:
-            raise EagleError(
-                f"head.draft_vocab_size={spec.draft_vocab_size} is larger than the target's vocabulary "
-                f"({target.vocab_size}): lower head.draft_vocab_size"
-            )
-        self.hcfg = hcfg = HeadConfig.from_target(
-            target.config,
-            spec.kind,
-            draft_vocab_size=spec.draft_vocab_size if spec.kind == "eagle3" else None,
-            aux_layers=self.aux_layers if spec.kind == "eagle3" else None,
-            target_name=target.name,
-            target_fingerprint=target.fingerprint,
+        self.hcfg = spec.for_target(target.config, self.aux_layers, target.name, target.fingerprint)
+        head, self.vocab, self.vocab_fp = self._build_head(spec)
+        self.num_parameters = sum(p.numel() for p in head.parameters())  # before ZeRO-3 partitions them
+
+        # ---- schedule, optimizer
+        self.sizes = {"batch_size": cfg.batch_size} if cfg.batch_tokens is None else {"batch_tokens": cfg.batch_tokens}
+        self.steps_per_epoch = self._steps_per_epoch()
+        total = self.steps_per_epoch * cfg.epochs
+        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps is not None else total
+        self.planned_steps = self.total_steps  # the schedule asked for, before train.max_minutes shortens it
+        self.warmup = self._warmup_steps()
+        model = HeadWithLoss(head, target.model.get_output_embeddings(), self.hcfg.kind, cfg)
+        model.train()
+        optimizer = _optimizer(head, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, _lr_lambda(self.total_steps, self.warmup, cfg.min_lr_ratio)
         )
-        if spec.kind == "eagle1":
-            hcfg = self.hcfg = dataclasses.replace(hcfg, fc_bias=spec.fc_bias)
+        self.model, self.optimizer = acc.prepare(model, optimizer)
+        self.engine = self.model if self.deepspeed else None
+        self.unwrapped = acc.unwrap_model(self.model)
+
+        # ---- where the run stands
+        self.state = {"epoch": 0, "micro_batch": 0, "global_step": 0, "tokens_seen": 0, "last_eval_step": -1}
+        self.time_cut = False  # the schedule was shortened to fit train.max_minutes
+        if resume_path is not None:
+            self._restore(resume_path)
+        self.start_step = self.state["global_step"]
+        self.last_ckpt = resume_path
+        self.last_save_step = self.start_step if resume_path is not None else -1
+        self.val_metrics: dict[str, float] = {}
+        self.logger = MetricsLogger(
+            self.out, cfg.report_to, enabled=self.main,
+            resume_step=self.start_step if resume_path is not None else None,
+            config={"train": dataclasses.asdict(cfg), "head": self.hcfg.to_dict()},
+            project=cfg.wandb_project, run_name=cfg.run_name,
+        )
+        # the fit loop's running state (fit() starts it afresh)
+        self.window, self.skipped, self.grad_norm = _Window(), 0, float("nan")
+        self.t_last, self.tokens_last = time.perf_counter(), self.state["tokens_seen"]
+        self.fit_started = 0.0
+        self.pace: list[tuple[int, float]] = []  # (step, elapsed seconds) at each deadline check
+        self.bar: Any = None  # the progress bar, while fit() runs
+        self.val_top1: dict[int, torch.Tensor] = {}  # the target's exact top-1 per validation batch
+        self.val_plan = None
+        if self.val_src is not None:
+            val_lengths = _usable_lengths(self.val_src.lengths()[: cfg.eval_max_sequences], allow_empty=True)
+            self.val_plan = plan_eval(val_lengths, world=self.world, **self.sizes) or None
+
+    def _build_head(self, spec: HeadConfig) -> tuple[nn.Module, tuple | None, str | None]:
+        """The head, its weights from the checkpoint resumed or ``train.init_from`` (else fresh, the same on every
+        process), and (eagle3) its draft vocabulary and that vocabulary's data fingerprint."""
+        from eagle.heads import build_head
+        from train import checkpoint as ck
+
+        cfg, hcfg, resume_path = self.cfg, self.hcfg, self.resume_path
         resume_weights = init_state = None
         if resume_path is not None:
             resume_weights, saved_cfg = ck.load_head_files(resume_path)
-            _check_checkpoint_head(saved_cfg, hcfg, resume_path)
-        elif spec.init_from:
-            init_state, init_cfg = ck.load_head_files(spec.init_from)
+            ck.check_head_matches(saved_cfg, hcfg, resume_path)
+        elif cfg.init_from:
+            init_state, init_cfg = ck.load_head_files(cfg.init_from)
             if init_cfg.get("kind") != hcfg.kind:
                 raise EagleError(
-                    f"head.init_from {spec.init_from} is a {init_cfg.get('kind')} head, not {hcfg.kind}: "
+                    f"train.init_from {cfg.init_from} is a {init_cfg.get('kind')} head, not {hcfg.kind}: "
                     "point it at a head of the same kind"
                 )
-
-        _seed_all(cfg.seed)  # the same initial weights on every process
-        head = build_head(hcfg).attach_target(target.model)
-        self.vocab, self.vocab_fp = None, None
+        seed_all(cfg.seed)  # the same initial weights on every process
+        head = build_head(hcfg).attach_target(self.target.model)
+        vocab = vocab_fp = None
         if hcfg.kind == "eagle3":
-            self.vocab, self.vocab_fp = _draft_vocab(
-                spec, hcfg, self.train_src, self.out, resume_path, acc, init_state
-            )
-            head.set_draft_vocab(*self.vocab)
-        for weights, where in ((init_state, spec.init_from), (resume_weights, resume_path)):
+            resumed = None if resume_path is None else (
+                resume_path, ck.read_state(resume_path).get("vocab_data_fingerprint"))
+            vocab, vocab_fp = draft_vocab_for_run(hcfg, self.train_src, self.out, resumed,
+                                                  self.accelerator.is_main_process, init_state)
+            head.set_draft_vocab(*vocab)
+        for weights, where in ((init_state, cfg.init_from), (resume_weights, resume_path)):
             if weights is not None:
                 try:
                     head.load_state_dict(weights, strict=True)
@@ -749,61 +451,23 @@ class _Run:
                         f"the head weights in {where} do not fit this head ({str(exc).splitlines()[0]}): use a "
                         "head trained for this target and head settings"
                     ) from exc
-        _seed_all(cfg.seed + 1 + 1_000_003 * self.rank)  # per-process noise streams
+        seed_all(cfg.seed + 1 + 1_000_003 * self.rank)  # per-process noise streams
+        return head, vocab, vocab_fp
 
-        # ---- schedule
-        self.sizes = (
-            {"batch_size": cfg.batch_size} if cfg.batch_tokens is None else {"batch_tokens": cfg.batch_tokens}
-        )
-        first_plan = plan_epoch(lengths, world=self.world, seed=cfg.seed, epoch=0, **self.sizes)
-        self.steps_per_epoch = len(first_plan) // cfg.grad_accum
-        if self.steps_per_epoch == 0:
+    def _steps_per_epoch(self) -> int:
+        from train.batching import plan_epoch
+
+        cfg = self.cfg
+        first_plan = plan_epoch(self.lengths, world=self.world, seed=cfg.seed, epoch=0, **self.sizes)
+        steps = len(first_plan) // cfg.grad_accum
+        if steps == 0:
             size = cfg.batch_size if cfg.batch_tokens is None else f"{cfg.batch_tokens} tokens"
             raise EagleError(
-                f"the training data ({len(lengths)} sequences) is too small for one optimizer step: a step needs "
-                f"{cfg.grad_accum} global batch(es) of {size} x {self.world} process(es); lower "
+                f"the training data ({len(self.lengths)} sequences) is too small for one optimizer step: a step "
+                f"needs {cfg.grad_accum} global batch(es) of {size} x {self.world} process(es); lower "
                 "train.batch_size / train.grad_accum or add data"
             )
-        total = self.steps_per_epoch * cfg.epochs
-        self.total_steps = min(total, cfg.max_steps) if cfg.max_steps is not None else total
-        self.planned_steps = self.total_steps  # the schedule asked for, before train.max_minutes shortens it
-        self.warmup = self._warmup_steps()
-
-        model = HeadWithLoss(head, target.model.get_output_embeddings(), hcfg.kind, cfg)
-        model.train()
-        optimizer = _optimizer(head, cfg)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, _lr_lambda(self.total_steps, self.warmup, cfg.min_lr_ratio)
-        )
-        self.num_parameters = sum(p.numel() for p in head.parameters())  # before ZeRO-3 partitions them
-        self.model, self.optimizer = acc.prepare(model, optimizer)
-        self.engine = self.model if self.deepspeed else None
-        self.unwrapped = acc.unwrap_model(self.model)
-
-        self.state = {"epoch": 0, "micro_batch": 0, "global_step": 0, "tokens_seen": 0, "last_eval_step": -1}
-        self.time_cut = False  # the schedule was shortened to fit train.max_minutes
-        if resume_path is not None:
-            self._restore(resume_path)
-        self.start_step = self.state["global_step"]
-        self.last_ckpt = resume_path
-        self.last_save_step = self.start_step if resume_path is not None else -1
-        self.eval_metrics: dict[str, float] = {}
-        self.logger = MetricsLogger(
-            self.out,
-            cfg.report_to,
-            enabled=self.main,
-            resume_step=self.start_step if resume_path is not None else None,
-            config={"train": dataclasses.asdict(cfg), "head": hcfg.to_dict()},
-            project=cfg.wandb_project,
-            run_name=cfg.run_name,
-        )
-        self.eval_plan = None
-        self.val_top1: dict[int, torch.Tensor] = {}  # the target's exact top-1 per validation batch (evaluate)
-        if self.val_src is not None:
-            val_lengths = [
-                n if n >= MIN_LENGTH else 0 for n in self.val_src.lengths()[: cfg.eval_max_sequences]
-            ]
-            self.eval_plan = plan_eval(val_lengths, world=self.world, **self.sizes) or None
+        return steps
 
     def _restore(self, path: Path) -> None:
         from train import checkpoint as ck
@@ -853,9 +517,8 @@ class _Run:
         lengthen a shortened one again (up to the planned steps) when the pace turns out faster.
 
         The pace is measured over the later half of the steps run so far, since the first ones are slower (bf16
-        kernels are compiled per matrix shape): measured from the start, a demo on this project's CPU shortened
-        its schedule at step 110 to 1,059 of 1,160 steps and then finished 2 of its 13.5 minutes early
-        (TUNING.md run 63). It includes the periodic evaluations and checkpoints; a little time is kept for the
+        kernels are compiled per matrix shape), and a pace measured from the start would cut the schedule
+        too short and end the run minutes early. It includes the periodic evaluations and checkpoints; a little time is kept for the
         final ones. A longer schedule is taken only when it is 2% longer (no jitter). Every process takes the
         smallest step count any of them computed.
         """
@@ -912,7 +575,7 @@ class _Run:
             "time_cut": self.time_cut,
             "target_fingerprint": self.target.fingerprint,
             "vocab_data_fingerprint": self.vocab_fp,
-            "eval": self.eval_metrics,
+            "eval": self.val_metrics,
         }
         path = ck.save_checkpoint(
             self.ckpt_root,
@@ -932,13 +595,14 @@ class _Run:
             self.on_checkpoint(path, step)
         return path
 
-    def run_eval(self, step: int) -> None:
+    def validate(self, step: int) -> None:
+        """Validation loss and top-1 accuracy now, logged and shown."""
         from tqdm import tqdm
 
-        self.eval_metrics = evaluate(
+        self.val_metrics = run_validation(
             self.model,
             self.val_src,
-            self.eval_plan,
+            self.val_plan,
             self.accelerator,
             self.cfg,
             self.hcfg.kind,
@@ -948,10 +612,10 @@ class _Run:
             self.val_top1,
         )
         self.state["last_eval_step"] = step
-        self.logger.log("eval", step, self.eval_metrics)
+        self.logger.log("eval", step, self.val_metrics)
         if self.main:
             shown = {
-                k: v for k, v in self.eval_metrics.items() if k == "val_loss" or k.startswith("val_acc_")
+                k: v for k, v in self.val_metrics.items() if k == "val_loss" or k.startswith("val_acc_")
             }
             tqdm.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in shown.items()))
 
@@ -959,7 +623,7 @@ class _Run:
         """Forward + backward of one micro-batch; the optimizer steps at the end of an accumulation window."""
         acc, cfg, state = self.accelerator, self.cfg, self.state
         with acc.accumulate(self.model):
-            batch = _prepare_batch(batch, acc, cfg.mode == "online", self.target, self.aux_layers)
+            batch = prepare_batch(batch, acc, cfg.mode == "online", self.target, self.aux_layers)
             loss, metrics = self.model(batch)
             if not _is_finite_everywhere(loss, acc):
                 if cfg.on_nonfinite == "stop":
@@ -1073,8 +737,8 @@ class _Run:
                         self._fit_to_deadline(step)
                     if step % cfg.log_every == 0 or step == self.total_steps:
                         self._log_train(step, lr, usable)
-                    if self.eval_plan and cfg.eval_every and step % cfg.eval_every == 0:
-                        self.run_eval(step)
+                    if self.val_plan and cfg.eval_every and step % cfg.eval_every == 0:
+                        self.validate(step)
                     if step % cfg.save_every == 0:
                         self.save(step)
                     if step >= self.total_steps:
@@ -1096,8 +760,8 @@ class _Run:
         from train import checkpoint as ck
 
         step = self.state["global_step"]
-        if self.eval_plan and self.state["last_eval_step"] != step:
-            self.run_eval(step)
+        if self.val_plan and self.state["last_eval_step"] != step:
+            self.validate(step)
         if self.last_save_step != step:
             self.save(step)
         final_dir = self.out / "final"
@@ -1111,7 +775,7 @@ class _Run:
                 info = {
                     "global_step": step,
                     "checkpoint": self.last_ckpt.name,
-                    "eval": self.eval_metrics,
+                    "eval": self.val_metrics,
                     "time_cut": self.time_cut,
                     "epochs": step / max(self.steps_per_epoch, 1),
                     "seconds": round(self.deadline.elapsed(), 1),  # this process's run, loading included
@@ -1120,39 +784,7 @@ class _Run:
             ck.replace_dir(tmp, final_dir)
         self.logger.close(plot=True)
         self.accelerator.wait_for_everyone()
-        metrics = self.eval_metrics
+        metrics = self.val_metrics
         if not metrics and self.resume_path is not None:
             metrics = ck.read_state(self.resume_path).get("eval") or {}
         return TrainResult(self.out, final_dir, step, self.last_ckpt, metrics, self.resume_path)
-
-
-# ---------------------------------------------------------------------------------------------- command line
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m train.trainer --config run.yaml key=value ...``: train under any launcher."""
-    parser = argparse.ArgumentParser(
-        prog="python -m train.trainer",
-        description="Train a draft head (works under torchrun, accelerate launch and the deepspeed launcher).",
-    )
-    parser.add_argument("--config", "-c", default=None, help="run config YAML")
-    parser.add_argument("--deepspeed", default=None, help="DeepSpeed JSON (same as train.deepspeed=...)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument(
-        "overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=1e-4"
-    )
-    args = parser.parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        from train.config import load_config
-
-        overrides = list(args.overrides) + ([f"train.deepspeed={args.deepspeed}"] if args.deepspeed else [])
-        train(load_config(args.config, overrides))
-    except EagleError as exc:
-        print(f"eagle train: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

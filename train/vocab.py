@@ -7,13 +7,19 @@ over the target vocabulary that is True exactly at ``ids``.
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from eagle.errors import EagleError
+from eagle.fileio import write_json_atomic
+
+VOCAB_FILE = "draft_vocab.safetensors"  # beside a checkpoint's head, and in the training output folder
 
 
 def count_tokens(
@@ -119,3 +125,60 @@ def load_vocab(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
         raise EagleError(f"{path} is not a draft vocabulary file (expected tensors d2t and t2d)")
     check_vocab(tensors["d2t"], tensors["t2d"])
     return tensors["d2t"], tensors["t2d"]
+
+
+def _count_training_tokens(train_src, vocab_size: int) -> torch.Tensor:
+    from train.vocab import count_tokens
+
+    return count_tokens(train_src.token_pairs(), vocab_size)
+
+
+def draft_vocab_for_run(
+    hcfg: Any, train_src: Any, out: Path, resumed: tuple[Path, str | None] | None, main: bool,
+    init_state: dict | None,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], str | None]:
+    """The eagle3 draft vocabulary: on resume (``resumed`` = the checkpoint folder and the data fingerprint it
+    recorded) the checkpoint's, never rebuilt; taken from ``init_from`` when that head has one; else built from
+    the training data's loss-masked token counts and saved (by the ``main`` process) as
+    ``<output_dir>/draft_vocab.safetensors``. Returns (d2t, t2d) and the data's fingerprint."""
+    from train.batching import counts_fingerprint
+
+    vocab_file = out / VOCAB_FILE
+    if resumed is not None:
+        d2t, t2d = load_vocab(resumed[0] / VOCAB_FILE)
+        saved_fp = resumed[1]
+        if main and saved_fp is not None:
+            now = counts_fingerprint(_count_training_tokens(train_src, hcfg.vocab_size))
+            if now != saved_fp:
+                warnings.warn(
+                    "the training data changed since the draft vocabulary was built; keeping the checkpoint's "
+                    "vocabulary (start a fresh run with train.resume=never to rebuild it)",
+                    stacklevel=3,
+                )
+        return (d2t, t2d), saved_fp
+    if init_state is not None and "d2t" in init_state and "t2d" in init_state:
+        d2t, t2d = init_state["d2t"].long(), init_state["t2d"].bool()
+        check_vocab(d2t, t2d)
+        return (d2t, t2d), None
+    # every process counts (cheap next to training, and no process waits on another's failure); main saves
+    counts = _count_training_tokens(train_src, hcfg.vocab_size)
+    if int(counts.sum()) == 0:
+        raise EagleError(
+            "the training data has no loss-masked tokens, so there is nothing to learn: check the loss masks "
+            "of the prepared data (assistant turns) and rerun `eagle prepare`"
+        )
+    d2t, t2d = build_draft_vocab(counts, hcfg.draft_vocab_size, hcfg.vocab_size)
+    fingerprint = counts_fingerprint(counts)
+    if main:
+        out.mkdir(parents=True, exist_ok=True)
+        tmp = out / f".{VOCAB_FILE}.tmp"
+        save_vocab(tmp, d2t, t2d)
+        os.replace(tmp, vocab_file)
+        info = {
+            "data_fingerprint": fingerprint,
+            "loss_tokens": int(counts.sum()),
+            "draft_vocab_size": hcfg.draft_vocab_size,
+            "coverage": float(counts[t2d].sum() / counts.sum()),
+        }
+        write_json_atomic(info, out / "draft_vocab.json")
+    return (d2t, t2d), fingerprint

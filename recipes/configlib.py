@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 import math
 import os
-import tempfile
+import re
 import types
 import typing
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 import yaml
 
 from eagle.errors import EagleError
+from eagle.fileio import write_text_atomic
 
 T = TypeVar("T")
 
@@ -176,7 +178,7 @@ def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
         what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise EagleError(
             f"config file {path} is not valid YAML ({what}{where}): fix the syntax there "
-            "(configs/smollm2_demo.yaml is a complete example)"
+            "(the shipped configs/smollm2_demo.yaml is a complete example)"
         ) from exc
     if data is None:
         return {}
@@ -213,16 +215,32 @@ def validate_all(obj: Any) -> None:
 
 
 def write_yaml_atomic(data: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write YAML through a temporary file and a rename, so a crash never leaves half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    """Write YAML through :func:`eagle.fileio.write_text_atomic` (a crash never leaves half a file)."""
+    write_text_atomic(yaml.safe_dump(data, sort_keys=False), path)
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """One line of help per field of dataclass ``cls``: the comment on the field's line, else the comment lines
+    just above it (the source is the documentation; fields without a comment get none)."""
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            yaml.safe_dump(data, fh, sort_keys=False)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        lines, _ = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return {}
+    names = {f.name for f in dataclasses.fields(cls)}
+    out: dict[str, str] = {}
+    above: list[str] = []
+    for line in lines:
+        text = line.strip()
+        if text.startswith("#"):
+            above.append(text.lstrip("# ").strip())
+            continue
+        match = _FIELD_RE.match(text)
+        if match and match.group(1) in names:
+            comment = text.split("  # ", 1)[1].strip() if "  # " in text else " ".join(above)
+            if comment:
+                out[match.group(1)] = comment.split(". ")[0].rstrip(".")
+        above = []
+    return out
+
+
+_FIELD_RE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\s*:")

@@ -1,0 +1,1 @@
+"""Run configs shipped with eagle-heads (read with ``importlib.resources``; ``eagle --config NAME`` finds them)."""

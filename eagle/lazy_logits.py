@@ -1,0 +1,117 @@
+"""Lazy logits: the target's lm_head only for the tree nodes verification visits.
+
+The lm_head over a large vocabulary is a big part of a small model's forward, and verification reads the logits of
+only the nodes it visits (the accepted path). So the verification forward asks (``logits_to_keep``) for the logits
+of the tree's most likely path only -- the first child at every level, since siblings come best-first -- computed
+there in one matrix product, and verification runs the lm_head on ``hidden_states[-1]`` for any other node it
+visits, one row at a time. (Not one row per visited node throughout: reading the weights dominates the cost of a
+few rows; on a 2-core CPU one row of SmolLM2's 49k x 576 lm_head costs a third to a half of 16 rows.)
+
+This is used only where it reproduces the model's own logits, checked once per model on a prefill
+(:func:`logit_map`); other models get every node's logits from the forward.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from eagle.targets import last_logits_only
+from eagle.tree import DraftTree
+from eagle.verify import LazyRows
+
+# model -> its hidden-to-logits map, or None where lazy logits do not reproduce its logits (checked once)
+_LOGIT_MAPS: weakref.WeakKeyDictionary[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor] | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _postprocessing_candidates(model: torch.nn.Module) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+    """Candidate maps from ``lm_head(h)`` to the model's logits, from the post-processing some families apply:
+    Cohere multiplies by ``logit_scale``; Granite divides by ``logits_scaling`` (HyperCLOVAX multiplies by a
+    field of the same name, so both are candidates); Gemma caps with ``final_logit_softcapping``."""
+    cfg = model.config.get_text_config(decoder=True)
+    scales = [1.0]
+    if getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
+        scales = [float(cfg.logit_scale)]
+    elif getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0):
+        scales = [1.0 / float(cfg.logits_scaling), float(cfg.logits_scaling)]
+    cap = getattr(cfg, "final_logit_softcapping", None)
+
+    def make(scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        def post(logits: torch.Tensor) -> torch.Tensor:
+            if scale != 1.0:
+                logits = logits * scale
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+            return logits
+
+        return post
+
+    return [make(s) for s in scales]
+
+
+def logit_map(model: torch.nn.Module, prefill_out: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A map from rows of ``hidden_states[-1]`` [n, h] to the target's logits [n, V] (its output embeddings plus
+    the known post-processing), or None when lazy logits cannot be used for this model.
+
+    Decided once per model: the map must reproduce the prefill's last-position logits (to a few units in the
+    last place), which rules out models whose last hidden state is not what their lm_head reads, or whose
+    logits are post-processed in a way we do not know. The forward must also take ``logits_to_keep``.
+    """
+    if model in _LOGIT_MAPS:
+        return _LOGIT_MAPS[model]
+    found = None
+    lm_head = model.get_output_embeddings()
+    hidden_states = getattr(prefill_out, "hidden_states", None)
+    if last_logits_only(model) and isinstance(lm_head, torch.nn.Module) and hidden_states:
+        want = prefill_out.logits[0, -1].float()
+        raw = lm_head(hidden_states[-1][0, -1:])[0]
+        tol = 4 * torch.finfo(raw.dtype).eps * max(1.0, float(want.abs().max()))
+        for post in _postprocessing_candidates(model):
+            got = post(raw).float()
+            if got.shape == want.shape and math.isfinite(tol) and float((got - want).abs().max()) <= tol:
+                found = post
+                break
+    _LOGIT_MAPS[model] = None if found is None else _compose(lm_head, found)
+    return _LOGIT_MAPS[model]
+
+
+def _compose(
+    lm_head: torch.nn.Module, post: Callable[[torch.Tensor], torch.Tensor]
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        return post(lm_head(hidden))
+
+    return logits
+
+
+def likely_path(tree: DraftTree) -> list[int]:
+    """The root and its first child at every level: the draft's best guess of the path verification accepts."""
+    path = [0]
+    while kids := tree.children(path[-1]):
+        path.append(kids[0])
+    return path
+
+
+def node_logits(
+    out: Any, logit_map: Callable[[torch.Tensor], torch.Tensor] | None, n: int, kept: list[int]
+) -> torch.Tensor | LazyRows:
+    """Every node's logits: the forward's [n, V] when it made them all, else rows made on first access, those of
+    the ``kept`` nodes taken from the forward's output (``logits_to_keep=kept``)."""
+    logits = out.logits[0]
+    if logit_map is None or logits.shape[0] == n:
+        return logits
+    given = dict(zip(kept, logits)) if logits.shape[0] == len(kept) else {}
+    hidden = out.hidden_states[-1][0]
+
+    def row(node: int) -> torch.Tensor:
+        if node in given:
+            return given[node]
+        return logit_map(hidden[node : node + 1])[0]
+
+    return LazyRows(row)
