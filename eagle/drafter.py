@@ -241,7 +241,7 @@ class OracleDrafter:
     def __init__(self, target_model: torch.nn.Module):
         self.model = target_model
         self.committed: list[int] = []
-        self.last_tree: DraftTree | None = None
+        self.last_root: int | None = None  # the root of the last tree: committed with the accepted drafts
 
     @torch.no_grad()
     def prefill(
@@ -270,13 +270,14 @@ class OracleDrafter:
                 logp_out.append(logp[0])
             return torch.stack(ids_out).cpu(), torch.stack(logp_out).cpu()
 
-        self.last_tree = build_tree(root_token, expand, tree_cfg)
-        return self.last_tree
+        self.last_root = int(root_token)
+        return build_tree(root_token, expand, tree_cfg)
 
     def accept(
         self, accepted: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_tokens: torch.Tensor
     ) -> None:
-        """Commit the root and the accepted drafts."""
-        if self.last_tree is None:
+        """Commit the root and the accepted drafts (``next_tokens`` without its last, the target's own token: the
+        verified tree may hold nodes this drafter did not make, such as a grafted lookup branch)."""
+        if self.last_root is None:
             raise EagleError("OracleDrafter.accept called before draft")
-        self.committed += self.last_tree.tokens[accepted.cpu()].tolist()
+        self.committed += [self.last_root] + next_tokens.tolist()[:-1]

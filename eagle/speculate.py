@@ -156,13 +156,6 @@ def _verify_mask(model: torch.nn.Module, tree: DraftTree, prefix_len: int, dtype
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
 
-def _verify_mask(model: torch.nn.Module, tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> Any:
-    windows = _layer_windows(model)
-    masks = {kind: tree_attention_mask(tree, prefix_len, w, dtype) for kind, w in windows.items()}
-    # one tensor when all layers agree; models with mixed layer types take a dict keyed by layer type
-    return next(iter(masks.values())) if len(masks) == 1 else masks
-
-
 def choose(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | Decisions | None) -> int:
     """The next token from one row of logits: the argmax, or a draw from the warped distribution."""
     if sampling.greedy:

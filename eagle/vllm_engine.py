@@ -195,13 +195,20 @@ def finish_worker(proc: subprocess.Popen, result_path: Path, timeout_s: float, w
 
     ``on_line`` sees every line the worker prints (progress), as it comes."""
     tail: deque[str] = deque(maxlen=40)
+    # all of it, kept after the job's folder goes: vLLM prints a failure's root cause long before its end
+    log_path = Path(tempfile.gettempdir()) / f"{result_path.stem}.log"
+    causes: list[str] = []  # the first error lines: usually the root cause
 
     def read() -> None:
-        for raw in proc.stdout or []:
-            line = raw.decode(errors="replace").rstrip()
-            tail.append(line)
-            if on_line is not None:
-                on_line(line)
+        with log_path.open("w", encoding="utf-8") as log:
+            for raw in proc.stdout or []:
+                line = raw.decode(errors="replace").rstrip()
+                log.write(line + "\n")
+                tail.append(line)
+                if len(causes) < 3 and ("Error: " in line or "Exception: " in line) and line not in causes:
+                    causes.append(line)
+                if on_line is not None:
+                    on_line(line)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -216,11 +223,14 @@ def finish_worker(proc: subprocess.Popen, result_path: Path, timeout_s: float, w
         ) from None
     reader.join(timeout=10)
     if proc.returncode != 0 or not result_path.is_file():
-        text = "\n".join(tail)
-        raise EagleError(f"{what}: the vLLM worker failed (exit status {proc.returncode}):\n{text}")
+        text = "\n".join(([*causes, "..."] if causes else []) + list(tail)[-15:])
+        raise EagleError(f"{what}: the vLLM worker failed (exit status {proc.returncode}; its whole output is in "
+                         f"{log_path}):\n{text}")
     result = json.loads(result_path.read_text(encoding="utf-8"))
     if result.get("error"):
-        raise EagleError(f"{what}: {result['error']}\n" + "\n".join(list(tail)[-15:]))
+        raise EagleError(f"{what}: {result['error']} (the worker's whole output: {log_path})\n"
+                         + "\n".join(([*causes, "..."] if causes else []) + list(tail)[-15:]))
+    log_path.unlink(missing_ok=True)  # kept only when something failed
     return result
 
 

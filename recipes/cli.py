@@ -145,7 +145,17 @@ def _is_main_process() -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``eagle`` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # overrides may also follow the flags (`eagle eval --engine vllm eval.max_prompts=2`): argparse takes one run
+    # of positionals per subcommand, so later key=value words come back unknown and join the overrides
+    args, rest = parser.parse_known_args(argv)
+    stray = [word for word in rest if "=" not in word or word.startswith("-")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if rest:
+        if not hasattr(args, "overrides"):
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        args.overrides = list(args.overrides) + rest
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         _run(args)

@@ -112,6 +112,10 @@ def test_config_show_prints_every_key_with_its_default_and_help(capsys, tmp_path
     from recipes.config import RunConfig, describe
 
     assert set(lines) == {key for key, *_ in describe(RunConfig())}
+    # overrides may come before and after the flags
+    assert main(["config", "show", "run_dir=elsewhere", "--config", "smollm2_demo", "train.lr=5e-4"]) == 0
+    lines = {line.split(":", 1)[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert lines["train.lr"].startswith("train.lr: 0.0005") and lines["run_dir"].startswith("run_dir: 'elsewhere'")
     assert main(["config", "show", "train.lrr=1"]) == 2
     assert "did you mean 'lr'" in capsys.readouterr().err
 

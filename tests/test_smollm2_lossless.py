@@ -73,10 +73,12 @@ def _untrained_head(target):
 @pytest.mark.parametrize("policy", list(TREES))
 def test_speculative_greedy_equals_generate_on_smollm2(smollm2, cases, policy):
     eos = [smollm2.tokenizer.eos_token_id]
-    for ids, ref in cases:
+    for i, (ids, ref) in enumerate(cases):
         res = speculative_generate(smollm2.model, HeadDrafter(_untrained_head(smollm2)), ids, N_NEW,
                                    TREES[policy], sampling=Sampling(eos_token_ids=eos))
         assert res.tokens == ref
+        if i:  # the oracle recomputes every sequence without a cache (slow): one prompt shows full acceptance
+            continue
         oracle = speculative_generate(smollm2.model, OracleDrafter(smollm2.model), ids, N_NEW,
                                       TREES[policy], sampling=Sampling(eos_token_ids=eos))
         assert oracle.tokens == ref

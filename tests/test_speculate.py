@@ -127,6 +127,23 @@ def test_oracle_drafter_accepts_everything(family, policy):
     )  # ceil: as few forwards as possible
 
 
+def test_oracle_drafter_commits_an_accepted_lookup_branch():
+    """The verified tree can hold a grafted lookup branch the oracle did not draft (new nodes after its own);
+    accepting through it must commit those tokens, not index the oracle's own smaller tree."""
+    from eagle.tree import graft_chain
+
+    model = target("llama")
+    ids = prompt()
+    oracle = OracleDrafter(model)
+    oracle.prefill(ids, (), 7)
+    own = oracle.draft(7, TREES["chain"])
+    chain = [t for t in range(3) if t != int(own.tokens[1])][:2]  # two tokens off the oracle's own path
+    grafted = graft_chain(own, chain)
+    assert grafted.size == own.size + 2
+    oracle.accept(torch.tensor([0, own.size, own.size + 1]), (), torch.tensor([*chain, 9]))
+    assert oracle.committed == ids[0].tolist() + [7, *chain]
+
+
 @pytest.mark.parametrize("policy", list(TREES))
 @pytest.mark.parametrize("family,kind", [(f, k) for f in FAMILIES for k in ("eagle1", "eagle3")])
 def test_untrained_head_keeps_greedy_output(family, kind, policy):

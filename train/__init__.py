@@ -1,1 +1,2 @@
-"""How a draft head is made: run config, data preparation, feature collection, losses and the trainer."""
+"""How a draft head is made: data sources and preparation, regeneration, feature collection and shards,
+batching, losses, the trainer and its checkpoints."""
