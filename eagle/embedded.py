@@ -59,6 +59,9 @@ class EmbeddedModel:
     chunked: bool = False  # the GGUF is split over chunk packages; the module's assemble() joins them
     chat_template: str | None = None  # set when the GGUF's own is missing
     stop_tokens: tuple[str, ...] = ()  # end generation besides EOS
+    # the tokenizer puts BOS before raw text (the GGUF says so, transformers' GGUF reader drops it; Gemma's output
+    # is garbage without it); chat prompts get BOS from the template and are tokenized without special tokens
+    add_bos: bool = False
 
 
 SMOLLM2 = EmbeddedModel(
@@ -83,6 +86,7 @@ GEMMA3 = EmbeddedModel(
     chunked=True,
     chat_template=GEMMA_TURNS,
     stop_tokens=("<end_of_turn>",),
+    add_bos=True,
 )
 MODELS = {m.name: m for m in (SMOLLM2, GEMMA3)}
 
@@ -187,6 +191,8 @@ def _load_gguf(model: EmbeddedModel, path: Path) -> tuple[torch.nn.Module, Any]:
     eos = net.config.eos_token_id
     if isinstance(eos, int) and tokenizer.eos_token_id != eos:
         tokenizer.eos_token = tokenizer.convert_ids_to_tokens(eos)
+    if model.add_bos:
+        tokenizer.add_bos_token = True
     if model.chat_template is not None and not getattr(tokenizer, "chat_template", None):
         tokenizer.chat_template = model.chat_template
     if model.stop_tokens:
