@@ -28,7 +28,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 README_HEAD = f"""# Benchmarks
 
 Speculative decoding with trained draft heads on the public development set: `dev-chat` (40 chitchat
-conversations, first user turn) and `dev-code` (HumanEval problems 40-79), see `benchmarks/data/`.
+conversations, first user turn) and `dev-code` (HumanEval problems 40-79), see `eagle/data/`.
 tau = tokens per target verification forward (accepted drafts + 1); speedup = tokens/s of speculative
 decoding over plain decoding of the same target in the same run; PLD = transformers' prompt-lookup decoding;
 greedy match = prompts whose speculative output equals plain greedy decoding token for token (temperature 0).

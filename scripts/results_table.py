@@ -20,6 +20,7 @@ START, END = "<!-- results:start -->", "<!-- results:end -->"
 HF_DEVSET = "2026-12-05-demo-head-hf-devset.json"
 VLLM_DEVSET = "2026-12-05-vllm-speed-k3-devset.json"
 VLLM_SWEEP = "2026-12-05-vllm-k-sweep-bf16.json"
+GEMMA_DEVSET = "2026-12-05-gemma3-270m-demo-eval.json"
 # (what the row shows, file, how to read it)
 ROWS = [
     ("our loop, EAGLE-2 tree (12 nodes) + prompt-lookup branch, fp32", HF_DEVSET, "tree"),
@@ -27,6 +28,7 @@ ROWS = [
     ("vLLM 0.32 (CPU build), chain of 3, fp32, one request at a time", VLLM_DEVSET, ("float32", 3)),
     ("vLLM 0.32 (CPU build), chain of 3, bf16, one request at a time", VLLM_DEVSET, ("bfloat16", 3)),
     ("vLLM 0.32 (CPU build), chain of 3, fp32, all 80 prompts at once", VLLM_DEVSET, ("float32", 3, "batched")),
+    ("Gemma 3 270M (pretrained) and its 30-minute demo head, our loop, tree + lookup, fp32", GEMMA_DEVSET, "tree"),
 ]
 
 
