@@ -58,20 +58,20 @@ class EvalConfig:
     # wall-time limit: prompts run in turn from each set and no new one starts unless one of the mean duration so
     # far would end in time (each set still gets MIN_PROMPTS_PER_SET); null = every prompt. The demo sets it.
     max_minutes: float | None = None
-    max_new_tokens: int = 128
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
+    max_new_tokens: int = 128  # tokens generated per prompt
+    temperature: float = 0.0  # 0 = greedy (outputs must equal plain decoding)
+    top_p: float = 1.0  # nucleus sampling (temperature > 0)
+    top_k: int = 0  # top-k sampling (temperature > 0; 0 = off)
+    seed: int = 0  # sampling seed, the same for every method
     tree: TreeConfig = field(default_factory=TreeConfig)
-    autotune_candidates: list[int] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))
+    autotune_candidates: list[int] = field(default_factory=lambda: list(DEFAULT_CANDIDATES))  # tree sizes tried by tree.total_tokens=auto
     baseline: bool = True  # plain decoding of the target (speedup, greedy match)
     prompt_lookup: bool = True  # transformers' prompt-lookup decoding, for comparison
-    prompt_lookup_num_tokens: int = 10
+    prompt_lookup_num_tokens: int = 10  # tokens transformers' prompt-lookup baseline proposes
     # also decode with a chain of this many drafts (no tree, no lookup branch): what an engine without tree
     # attention (vLLM, num_speculative_tokens) gets from the same head, shown beside the tree's figures; 0 = off
     chain_depth: int = 3
-    report: str = "{run_dir}/eval/report.json"
+    report: str = "{run_dir}/eval/report.json"  # where the report (and its plots) go
     warmup: int = 1  # untimed warm-up generations per method before the timed ones
     # on a CPU: swap the target's and the head's fp32 linear layers for oneDNN ones with prepacked weights
     # (eagle.targets.prepack_for_cpu) -- tree verification gets cheaper; plain decoding uses the same model

@@ -68,19 +68,19 @@ class HeadConfig:
     fc_bias: bool = True  # eagle1: EAGLE-1/2 and SGLang give fc a bias; vLLM's EAGLE-1 drops it (train false)
     # the shape, from the target (null until resolved)
     hidden_size: int | None = None
-    intermediate_size: int | None = None
-    num_attention_heads: int | None = None
-    num_key_value_heads: int | None = None
-    head_dim: int | None = None
+    intermediate_size: int | None = None  # the decoder layer's MLP width (the target's)
+    num_attention_heads: int | None = None  # attention heads (the target's)
+    num_key_value_heads: int | None = None  # key/value heads (the target's)
+    head_dim: int | None = None  # per-head width (the target's)
     vocab_size: int | None = None  # the target's vocabulary
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6  # the target's RMSNorm epsilon
+    rope_theta: float = 10000.0  # the target's rotary base
+    rope_scaling: dict | None = None  # the target's rotary scaling (llama3, yarn, ...), exported with the head
+    max_position_embeddings: int = 4096  # longest position the head's rotary tables cover
     target_hidden_size: int | None = None  # null: hidden_size
-    hidden_act: str = "silu"
-    target_name: str = ""
-    target_fingerprint: str = ""
+    hidden_act: str = "silu"  # the MLP activation (the target's)
+    target_name: str = ""  # the target the head was trained against (filled in by training)
+    target_fingerprint: str = ""  # a hash of that target's weights (filled in by training)
 
     def __post_init__(self) -> None:
         if self.vocab_size is not None and (self.draft_vocab_size is None or self.kind == "eagle1"):

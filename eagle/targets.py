@@ -53,10 +53,10 @@ _DEVICE_RE = re.compile(r"^(cpu|auto|cuda(:\d+)?)$")
 class TargetConfig:
     """The ``target:`` section of a run config."""
 
-    name: str = EMBEDDED_TARGET
+    name: str = EMBEDDED_TARGET  # an embedded target (smollm2-135m-instruct, gemma3-270m), a local folder or a hub id
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda | cuda:N | auto (accelerate device_map="auto": one target, several GPUs)
-    trust_remote_code: bool = False
+    trust_remote_code: bool = False  # let transformers run the model repository's own code (only for targets you trust)
     # on a CPU, where eagle loads the target itself for inference (regeneration in `prepare`, `collect`): swap
     # its fp32 linear layers for oneDNN prepacked ones (prepack_for_cpu), ~1.5-2x faster; eval has eval.cpu_prepack
     cpu_prepack: bool = True

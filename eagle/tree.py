@@ -39,12 +39,12 @@ class TreeConfig:
     as any other draft.
     """
 
-    policy: str = "dynamic"
-    depth: int = 5
-    top_k: int = 4
-    total_tokens: int | str = 16
-    static_paths: list[list[int]] | None = None
-    lookup_ngram: int = 0
+    policy: str = "dynamic"  # chain | static | dynamic (EAGLE-2)
+    depth: int = 5  # draft steps (the deepest node)
+    top_k: int = 4  # children tried per expanded node (dynamic)
+    total_tokens: int | str = 16  # draft nodes verified per step, or auto (measured on this device)
+    static_paths: list[list[int]] | None = None  # static: the tree as child-rank paths, e.g. [[0], [1], [0, 0]]
+    lookup_ngram: int = 0  # graft a prompt-lookup branch matching the last N tokens (0 = off)
     lookup_tokens: int = 0  # length of the lookup branch; 0 = the tree's depth
 
     def validate(self) -> TreeConfig:

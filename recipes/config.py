@@ -49,7 +49,7 @@ class ExportConfig:
 
     checkpoint: str = "{run_dir}/train/final"  # a training checkpoint or final/ folder
     layout: str = "eagle3"  # eagle3 (vLLM, SGLang) | speculators (vLLM's own format) | eagle1 (EAGLE-1/2 heads)
-    output_dir: str = "{run_dir}/export"
+    output_dir: str = "{run_dir}/export"  # where the export goes
     dtype: str = "bfloat16"  # of the exported weights: bfloat16 | float16 | float32
 
     def validate(self) -> None:

@@ -107,11 +107,12 @@ def test_config_show_prints_every_key_with_its_default_and_help(capsys, tmp_path
     assert main(["config", "show", "train.lr=5e-4"]) == 0
     out = capsys.readouterr().out
     lines = {line.split(":", 1)[0]: line for line in out.splitlines()}
-    assert lines["train.lr"] == "train.lr: 0.0005  (default 0.0003)"  # unchanged keys print their value only
+    assert lines["train.lr"] == "train.lr: 0.0005  (default 0.0003)  # peak learning rate (AdamW, cosine schedule)"
     assert lines["eval.vllm.num_speculative_tokens"].endswith("# the chain vLLM drafts per step (it has no tree attention)")
     from recipes.config import RunConfig, describe
 
     assert set(lines) == {key for key, *_ in describe(RunConfig())}
+    assert [key for key, line in lines.items() if "  # " not in line] == []  # every key has its line of help
     # overrides may come before and after the flags
     assert main(["config", "show", "run_dir=elsewhere", "--config", "smollm2_demo", "train.lr=5e-4"]) == 0
     lines = {line.split(":", 1)[0]: line for line in capsys.readouterr().out.splitlines()}

@@ -65,7 +65,7 @@ SLOW_ENV = "EAGLE_COLLECT_SLOW"
 class CollectConfig:
     """The ``collect:`` section of a run config."""
 
-    output_dir: str = "runs/demo/features"
+    output_dir: str = "runs/demo/features"  # where the feature shards go
     aux_layers: list[int] | None = None  # None: the target's default (eagle.features.default_aux_layers)
     dtype: str = "bfloat16"  # storage dtype of the hidden states
     # the dtype the target computes the features in; null: target.dtype. A bf16 target's features train a head
@@ -73,7 +73,7 @@ class CollectConfig:
     target_dtype: str | None = None
     batch_tokens: int = 8192  # padded tokens per forward batch
     shard_tokens: int = 200_000  # tokens per shard file
-    splits: list[str] = field(default_factory=lambda: ["train", "val"])
+    splits: list[str] = field(default_factory=lambda: ["train", "val"])  # the prepared splits to collect
     max_sequences: int | None = None  # per split: only the first N rows of the prepared data
     disk_headroom: float = 1.1  # refuse to start unless free space >= needed * disk_headroom
 

@@ -55,17 +55,17 @@ REGEN_ENGINES = ("hf", "vllm")
 class DataConfig:
     """The ``data:`` section of a run config."""
 
-    sources: list[str] = field(default_factory=lambda: ["chitchat"])
+    sources: list[str] = field(default_factory=lambda: ["chitchat"])  # files (ShareGPT/OpenAI JSON or JSONL), hf:<dataset>[:split], chitchat[:N], stdlib-code[:N]
     max_conversations: int | None = None  # total cap, after shuffling all sources together
     max_length: int = 1024  # tokens per conversation
-    val_fraction: float = 0.05
-    seed: int = 0
-    output_dir: str = "runs/demo/data"
+    val_fraction: float = 0.05  # share of the conversations held out for validation
+    seed: int = 0  # shuffling, the split and regeneration batches
+    output_dir: str = "runs/demo/data"  # where the prepared datasets go
     regenerate: bool = False  # replace assistant turns by the target's own answers
-    regen_max_new_tokens: int = 256
+    regen_max_new_tokens: int = 256  # longest regenerated answer (tokens)
     regen_temperature: float = 0.0  # 0 = greedy
-    regen_top_p: float = 1.0
-    regen_batch_size: int = 16
+    regen_top_p: float = 1.0  # nucleus sampling for regeneration (with regen_temperature > 0)
+    regen_batch_size: int = 16  # conversations answered together
     regen_max_turns: int = 1  # keep (and regenerate) only the first K assistant turns; 0 = all
     # the dtype the target answers in (null = as loaded). "bfloat16" on a CPU with bf16 units (prepacked) answers
     # ~2x faster than fp32 with answers of the same kind; the features and labels still come

@@ -47,10 +47,10 @@ MIN_LENGTH = 3  # tokens a sequence needs to give one training label
 class TrainConfig:
     """The ``train:`` section."""
 
-    mode: Literal["offline", "online"] = "offline"
+    mode: Literal["offline", "online"] = "offline"  # offline: from feature shards (eagle collect); online: the target runs inside each step
     init_from: str | None = None  # a head folder (model.safetensors + head_config.json) to start from
     output_dir: str = "{run_dir}/train"  # checkpoints/, final/, metrics.jsonl, curves, tb/, wandb/
-    epochs: int = 1
+    epochs: int = 1  # passes over the training data
     max_steps: int | None = None  # optimizer steps; caps ``epochs`` when set
     # wall-time limit for this invocation: the schedule (cosine included) is shortened to end in time; null = none
     max_minutes: float | None = None
@@ -58,35 +58,35 @@ class TrainConfig:
     # when set: batches of about this many padded tokens per process (replaces batch_size)
     batch_tokens: int | None = None
     max_length: int | None = None  # truncate longer sequences
-    grad_accum: int = 1
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    warmup_steps: int | None = None
-    warmup_ratio: float = 0.02
-    min_lr_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    ttt_steps: int = 3
-    step_decay: float = 0.8
-    noise_std: float = 0.0
+    grad_accum: int = 1  # micro-steps per optimizer step
+    lr: float = 3e-4  # peak learning rate (AdamW, cosine schedule)
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int | None = None  # linear warm-up steps (null: warmup_ratio of the total)
+    warmup_ratio: float = 0.02  # share of the steps spent warming up
+    min_lr_ratio: float = 0.1  # the cosine schedule ends at this share of lr
+    max_grad_norm: float = 1.0  # gradient clipping
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
+    ttt_steps: int = 3  # eagle3: training-time-test steps (the head drafts from its own outputs this many times)
+    step_decay: float = 0.8  # eagle3: weight of TTT step j is step_decay**j
+    noise_std: float = 0.0  # width of the uniform noise added to the target features (EAGLE's augmentation; 0 = off)
     ce_weight: float = 0.1  # eagle1
     reg_weight: float = 1.0  # eagle1
     bf16: bool | Literal["auto"] = "auto"  # mixed precision; auto: on GPUs with bf16 and CPUs with bf16 units
     eval_every: int = 200  # 0: only at the end
-    eval_max_sequences: int | None = None
-    save_every: int = 500
-    keep_last: int | None = 3
+    eval_max_sequences: int | None = None  # validation sequences per validation (null: all)
+    save_every: int = 500  # optimizer steps between checkpoints
+    keep_last: int | None = 3  # checkpoints kept (null: all)
     resume: str = "auto"  # auto | never | <checkpoint dir>
-    seed: int = 0
-    deterministic: bool = False
-    report_to: list[str] = field(default_factory=lambda: ["none"])
-    wandb_project: str = "eagle-heads"
-    run_name: str | None = None
-    log_every: int = 10
-    num_workers: int = 0
-    on_nonfinite: Literal["skip", "stop"] = "skip"
+    seed: int = 0  # initialisation, data order and noise
+    deterministic: bool = False  # deterministic kernels (slower; for bit-exact reruns)
+    report_to: list[str] = field(default_factory=lambda: ["none"])  # none | tensorboard | wandb (metrics.jsonl and curves are always written)
+    wandb_project: str = "eagle-heads"  # the W&B project (report_to: [wandb])
+    run_name: str | None = None  # the W&B run name (null: W&B picks one)
+    log_every: int = 10  # optimizer steps between metric lines
+    num_workers: int = 0  # DataLoader worker processes
+    on_nonfinite: Literal["skip", "stop"] = "skip"  # a NaN/inf loss: skip the batch, or stop with an error
     deepspeed: str | None = None  # DeepSpeed JSON (e.g. configs/deepspeed/zero2.json)
-    progress: bool = True
+    progress: bool = True  # show a progress bar
 
     def validate(self) -> TrainConfig:
         """Raise EagleError on values that cannot work; returns self."""
