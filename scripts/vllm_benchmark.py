@@ -116,6 +116,7 @@ def speed(args: argparse.Namespace) -> int:
 def parity_cmd(args: argparse.Namespace) -> int:
     from eagle.evaluate import evaluate
     from eagle.targets import load_target
+    from eagle.tree import TreeConfig
     from eagle.vllm_eval import evaluate_vllm, parity, parity_message
 
     results, failed = {}, []
@@ -124,7 +125,9 @@ def parity_cmd(args: argparse.Namespace) -> int:
         layout, _, folder = spec.partition("=")
         cfg = _cfg(args, folder, str(ROOT / "runs" / "vllm-benchmark" / f"parity-{layout}.json"))
         cfg.vllm = replace(cfg.vllm, num_speculative_tokens=args.k[0], batched=False)
-        hf = evaluate(replace(cfg, chain_depth=args.k[0], draft_dtype=None, baseline=False), target)
+        # parity needs our loop's chain only: make it the "tree" too, so each prompt is decoded once
+        chain = TreeConfig(policy="chain", depth=args.k[0])
+        hf = evaluate(replace(cfg, tree=chain, chain_depth=args.k[0], draft_dtype=None, baseline=False), target)
         vllm = evaluate_vllm(replace(cfg, baseline=False), args.target, args.dtype, write=False)
         result = parity(hf, vllm)
         results[layout] = {"draft": folder, **result}
