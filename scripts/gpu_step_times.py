@@ -2,7 +2,7 @@
 the weights) and a random EAGLE-3 head, plain vs speculative decoding (dynamic trees of 32 and 12 nodes), first
 with PyTorch's default SDPA backends, then without cuDNN attention, then with the math backend alone.
 
-    python scripts/gpu_step_times.py          # on cuda (benchmarks/TUNING.md run G2)
+    python scripts/gpu_step_times.py          # on cuda
     python scripts/gpu_step_times.py cpu      # a 2-layer check of the script itself
 """
 import sys

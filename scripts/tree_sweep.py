@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cpu_prepack:
             prepack_for_cpu(target.model)
             for head in heads.values():
-                prepack_for_cpu(head)  # fp32 layers only: a bf16 head drafts faster unpacked (TUNING.md run 32)
+                prepack_for_cpu(head)  # fp32 layers only: a bf16 head drafts faster unpacked
         drafters = {label: HeadDrafter(head) for label, head in heads.items()}
         cfg = EvalConfig(prompts=args.prompts, max_prompts=args.max_prompts)
         prompts = [
