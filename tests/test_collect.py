@@ -67,6 +67,11 @@ def temp_files(out: Path) -> list[Path]:
     return [p for p in out.rglob("*") if "tmp" in p.name]
 
 
+def shard_temp_files(out: Path, split: str = "train") -> list[Path]:
+    """Shards being streamed (not the manifests' own brief temporary files, which also match `temp_files`)."""
+    return sorted((out / split).glob(".shard-*.safetensors.tmp-*"))
+
+
 def hidden_reference(model, ids: torch.Tensor, aux_layers: list[int]):
     """The target's own output_hidden_states for one sequence, without padding or batching."""
     with torch.no_grad():
@@ -252,8 +257,14 @@ def test_resume_after_kill_is_byte_identical(tmp_path, saved):
     proc = _start_worker(saved.model_dir, saved.data, out, log, slow="0.2")
     try:
         deadline = time.time() + 120
-        # kill while shard 0 is finished and the next one is being streamed into its temporary file
-        while not (shard_files(out) and temp_files(out)) and time.time() < deadline and proc.poll() is None:
+        # kill while shard 0 is finished and the next one is being streamed into its temporary file; the worker
+        # is frozen before the second look, so the file seen cannot be renamed between the look and the kill
+        while time.time() < deadline and proc.poll() is None:
+            if shard_files(out) and shard_temp_files(out):
+                proc.send_signal(signal.SIGSTOP)
+                if shard_temp_files(out):
+                    break
+                proc.send_signal(signal.SIGCONT)
             time.sleep(0.02)
         assert shard_files(out), f"no shard appeared: {log.read_text()[-2000:]}"
         proc.send_signal(signal.SIGKILL)
@@ -262,7 +273,7 @@ def test_resume_after_kill_is_byte_identical(tmp_path, saved):
         proc.wait()
     first = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in shard_files(out)}
     assert 1 <= len(first) < len(shard_files(saved.ref))  # killed mid-run
-    assert temp_files(out)  # ... leaving a partial file behind, under a hidden temporary name
+    assert shard_temp_files(out)  # ... leaving a partial shard behind, under a hidden temporary name
     assert not json.loads((out / "manifest.json").read_text())["complete"]
     with pytest.raises(EagleError, match="unfinished"):
         FeatureShards(out, "train")
