@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from eagle.attention import SDPA_GQA
 from eagle.cache import gather_cache
 from eagle.devices import model_device, model_dtype, sync
 from eagle.drafter import Drafter
@@ -33,7 +34,7 @@ from eagle.targets import cache_kwarg, last_logits_only
 from eagle.tree import DraftTree, TreeConfig, deepest_node, graft_chain, lookup_continuation, lookup_length
 from eagle.verify import Decisions, LazyRows, as_decisions, verify_greedy, verify_sampling
 
-_MASKABLE_ATTENTION = ("eager", "sdpa")
+_MASKABLE_ATTENTION = ("eager", "sdpa", SDPA_GQA)
 
 
 @dataclass

@@ -284,6 +284,27 @@ def avoid_cudnn_attention(device: str | torch.device) -> bool:
     return True
 
 
+def attention_choices(device: str) -> list[str]:
+    """The attention implementations to try, best first: on a CPU SDPA without the GQA copy
+    (:mod:`eagle.attention`), then stock SDPA; eager for architectures that support neither."""
+    from eagle.attention import register
+
+    return ([register()] if device == "cpu" else []) + ["sdpa", "eager"]
+
+
+def _from_pretrained(path: str, choices: list[str], kwargs: dict) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    for impl in choices[:-1]:
+        try:
+            return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, **kwargs)
+        except ValueError as e:  # an architecture without this attention: try the next one
+            if not any(word in str(e).lower() for word in ("attention", "attn", "sdpa")):
+                raise
+            log.info("target %s: attn_implementation=%s unsupported (%s); trying the next", path, impl, e)
+    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=choices[-1], **kwargs)
+
+
 def load_target(
     name_or_cfg: str | TargetConfig,
     dtype: str | torch.dtype = "float32",
@@ -292,7 +313,7 @@ def load_target(
 ) -> Target:
     """Load a frozen target (model + tokenizer). A TargetConfig supplies all four settings itself."""
     from safetensors import SafetensorError
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
     if isinstance(name_or_cfg, TargetConfig):
         cfg = name_or_cfg
@@ -315,12 +336,7 @@ def load_target(
     device_map: Any = None if dev == "cpu" else ("auto" if dev == "auto" else {"": dev})
     kwargs = dict(dtype=torch_dtype, device_map=device_map, trust_remote_code=cfg.trust_remote_code)
     try:
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="sdpa", **kwargs)
-        except ValueError as e:  # an architecture without SDPA support: fall back to eager attention
-            if "sdpa" not in str(e).lower():
-                raise
-            model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", **kwargs)
+        model = _from_pretrained(path, attention_choices(dev), kwargs)
     except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:  # truncated / unsafe weights
         raise _load_error(name, e) from e
     try:

@@ -50,9 +50,10 @@ MIN_STAGE_MINUTES = 1.0  # what a time-limited stage gets even when the budget i
 
 
 def stage_weights(cfg: RunConfig) -> dict[str, float]:
-    """:data:`STAGE_WEIGHT` for this run: collection weighs more when regeneration keeps no features."""
+    """:data:`STAGE_WEIGHT` for this run: collection weighs more when regeneration keeps no features (vLLM never
+    keeps them)."""
     weights = dict(STAGE_WEIGHT)
-    if not (cfg.data.regenerate and cfg.data.capture_features):
+    if not (cfg.data.regenerate and cfg.data.capture_features and cfg.data.regen_engine == "hf"):
         weights["collect"] = COLLECT_WEIGHT_UNCAPTURED
     return weights
 

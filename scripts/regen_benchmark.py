@@ -5,7 +5,9 @@
 
 Runs ``eagle prepare``'s regeneration (the demo recipe's sources, answer length and batch size) once per engine
 on the same prompts, in turn, each into its own folder, and reports conversations and answer tokens per second
-(model loading included and apart). Writes ``benchmarks/<name>.json``.
+(model loading included and apart). Engine ``hf-sdpa`` is our loop with transformers' stock SDPA attention, which
+copies the grouped key/value heads at every step (``hf`` uses :mod:`eagle.attention` on a CPU). Writes
+``benchmarks/<name>.json``.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "smollm2_demo.yaml"))
     parser.add_argument("--conversations", type=int, default=256)
-    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"])
+    parser.add_argument("--engines", nargs="+", default=["hf", "vllm"], choices=["hf", "hf-sdpa", "vllm"])
     parser.add_argument("--name", default=None)
     args = parser.parse_args()
 
+    from eagle import targets
     from eagle.targets import load_tokenizer
     from recipes.config import load_config
     from train.prepare import prepare
@@ -39,21 +42,34 @@ def main() -> int:
 
     cfg = load_config(args.config, [f"data.max_conversations={args.conversations}"])
     tokenizer = load_tokenizer(cfg.target.name)
-    rows = {}
+    rows, texts = {}, {}
     with tempfile.TemporaryDirectory(prefix="regen-bench-") as tmp:
         for engine in args.engines:
-            data = replace(cfg.data, regen_engine=engine, output_dir=str(Path(tmp) / engine), regen_max_minutes=None,
-                           capture_features=cfg.data.capture_features and engine == "hf")
+            loop = engine.split("-")[0]
+            data = replace(cfg.data, regen_engine=loop, output_dir=str(Path(tmp) / engine), regen_max_minutes=None,
+                           capture_features=cfg.data.capture_features and loop == "hf")
+            best_attention = targets.attention_choices
+            if engine == "hf-sdpa":
+                targets.attention_choices = lambda device: ["sdpa", "eager"]
             t0 = time.perf_counter()
-            summary = prepare(data, cfg.target, collect=cfg.collect)
+            try:
+                summary = prepare(data, cfg.target, collect=cfg.collect)
+            finally:
+                targets.attention_choices = best_attention
             seconds = time.perf_counter() - t0
             answers = read_partial(next(Path(data.output_dir).glob("regen-*.jsonl")))
+            texts[engine] = answers
             tokens = sum(len(tokenizer(text, add_special_tokens=False)["input_ids"]) for text in answers.values())
             rows[engine] = {"conversations": len(answers), "answer_tokens": tokens, "seconds": seconds,
                             "conversations_per_s": len(answers) / seconds, "tokens_per_s": tokens / seconds,
                             "capture_features": data.capture_features, "prepare_seconds": summary["seconds"]}
-            print(f"{engine:5} {len(answers)} conversations, {tokens:,} answer tokens in {seconds:.0f} s: "
+            print(f"{engine:7} {len(answers)} conversations, {tokens:,} answer tokens in {seconds:.0f} s: "
                   f"{len(answers) / seconds:.2f} conv/s, {tokens / seconds:.0f} tok/s", flush=True)
+    if "hf" in texts:  # the same prompts answered the same way? (the attention change must not alter answers)
+        for engine in rows:
+            same = sum(texts[engine].get(key) == text for key, text in texts["hf"].items())
+            rows[engine]["answers_identical_to_hf"] = same
+            print(f"{engine:7} {same} of {len(texts['hf'])} answers identical to hf's")
     name = args.name or f"{datetime.date.today()}-regen-engines"
     out = ROOT / "benchmarks" / f"{name}.json"
     write_json_atomic({"kind": "regen-throughput", "command": " ".join(sys.argv), "config": args.config,

@@ -255,6 +255,9 @@ def test_stage_time_limits_share_the_time_left():
     cfg.data.regenerate = cfg.data.capture_features = True  # features kept by regeneration: collect only copies
     cfg.data.regen_max_minutes = None
     assert stage_weights(cfg)["collect"] < weights["collect"] / 5
+    cfg.data.regen_engine = "vllm"  # ... but vLLM keeps no features: collect runs the target after all
+    assert stage_weights(cfg)["collect"] == COLLECT_WEIGHT_UNCAPTURED
+    cfg.data.regen_engine = "hf"
     assert limit_stage(cfg, "prepare", stages, 1200.0) > 20 * share
     key = stage_hash(cfg, "eval")
     assert limit_stage(cfg, "collect", stages[1:], 900.0) is None  # collect scales with the data instead

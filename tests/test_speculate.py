@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
+from eagle.attention import register as register_gqa_attention
 from eagle.cache import cache_length, crop_cache, gather_cache
 from eagle.drafter import HeadDrafter, OracleDrafter
 from eagle.errors import EagleError
@@ -33,14 +34,15 @@ TREES = {
 
 @cache
 def target(name: str) -> torch.nn.Module:
-    """Tiny random targets: the three families, plus sliding-window variants and an sdpa one.
+    """Tiny random targets: the three families, plus sliding-window variants, an sdpa one and "+gqa" ones.
 
     Built like ``eagle.testing.tiny_model`` but with 10x larger random weights: with the default init, attention
     is nearly uniform and a wrong position id or mask rarely changes a greedy token, so tests could not see it.
     """
+    name, _, attention = name.partition("+")  # "+gqa": eagle.attention's SDPA, as CPU targets load
     cfg = tiny_config(name.split("-")[0], vocab_size=16 if name.endswith("-v16") else 256)
     cfg.initializer_range = 0.2
-    attn = "eager"
+    attn = register_gqa_attention() if attention == "gqa" else "eager"
     if name == "mistral-window":  # every layer slides over 6 positions, fewer than the prompt + output
         cfg.sliding_window = 6
     elif name == "qwen2-mixed":  # alternating full / sliding layers: the verify mask becomes a dict per type
@@ -194,7 +196,7 @@ def test_partial_acceptance_keeps_greedy_output(policy):
         assert max(res.accept_lengths) > 1
 
 
-@pytest.mark.parametrize("name", ["mistral-window", "qwen2-mixed", "llama-sdpa"])
+@pytest.mark.parametrize("name", ["mistral-window", "qwen2-mixed", "llama-sdpa", "llama+gqa", "qwen2-mixed+gqa"])
 def test_sliding_window_and_sdpa_targets(name):
     model = target(name)
     ref = reference(name)
