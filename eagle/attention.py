@@ -58,3 +58,10 @@ def register() -> str:
     AttentionInterface.register(SDPA_GQA, sdpa_gqa_forward)
     AttentionMaskInterface.register(SDPA_GQA, sdpa_mask)
     return SDPA_GQA
+
+
+def suit_device(model: torch.nn.Module, device: torch.device) -> None:
+    """A model loaded on the CPU (with :data:`SDPA_GQA`) that will run on an accelerator goes back to stock SDPA,
+    whose CUDA kernels are the fast ones there."""
+    if device.type != "cpu" and getattr(model.config, "_attn_implementation", None) == SDPA_GQA:
+        model.set_attn_implementation("sdpa")

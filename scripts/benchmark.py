@@ -25,6 +25,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+REGEN_START, REGEN_END = "<!-- regen:start -->", "<!-- regen:end -->"
 README_HEAD = f"""# Benchmarks
 
 Speculative decoding with trained draft heads on the public development set: `dev-chat` (40 chitchat
@@ -115,15 +116,44 @@ def render_table(bench_dir: Path) -> str:
     return "\n".join([header] + [r for _, _, r in sorted(rows)])
 
 
+def render_regen_table(bench_dir: Path) -> str:
+    """The regeneration-throughput table (``scripts/regen_benchmark.py``'s JSONs), one row per engine and file."""
+    rows = ["| file | engine | conversations | answer tokens | seconds | conv/s | answer tok/s | features kept "
+            "| answers identical to hf |", "|---|---|---|---|---|---|---|---|---|"]
+    for path in sorted(bench_dir.glob("*.json")):
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            continue  # render_table has said so already
+        if not isinstance(report, dict) or report.get("kind") != "regen-throughput":
+            continue
+        for engine, r in report["engines"].items():
+            same = r.get("answers_identical_to_hf")
+            rows.append(
+                f"| {path.stem} | {engine} | {r['conversations']:,} | {r['answer_tokens']:,} | {r['seconds']:.0f} "
+                f"| {r['conversations_per_s']:.2f} | {r['tokens_per_s']:.0f} | {'yes' if r['capture_features'] else 'no'} "
+                f"| {'-' if same is None else f'{same:,}'} |"
+            )
+    return "\n".join(rows)
+
+
+def _replace_between(text: str, start: str, end: str, body: str, title: str) -> str:
+    if start not in text or end not in text:
+        text = text.rstrip("\n") + f"\n\n## {title}\n\n{start}\n{end}\n"
+    before, rest = text.split(start, 1)
+    return f"{before}{start}\n{body}\n{end}{rest.split(end, 1)[1]}"
+
+
 def update_readme(bench_dir: Path) -> Path:
-    """Rewrite the part of ``bench_dir/README.md`` between the result markers (creating the file if needed)."""
+    """Rewrite the parts of ``bench_dir/README.md`` between the table markers (creating the file if needed)."""
+    from eagle.fileio import write_text_atomic
+
     readme = bench_dir / "README.md"
     text = readme.read_text(encoding="utf-8") if readme.is_file() else README_HEAD
-    if START not in text or END not in text:
-        text = text.rstrip("\n") + f"\n\n## Results\n\n{START}\n{END}\n"
-    before, rest = text.split(START, 1)
-    after = rest.split(END, 1)[1]
-    readme.write_text(f"{before}{START}\n{render_table(bench_dir)}\n{END}{after}", encoding="utf-8")
+    text = _replace_between(text, START, END, render_table(bench_dir), "Results")
+    text = _replace_between(text, REGEN_START, REGEN_END, render_regen_table(bench_dir),
+                            "Regeneration throughput (`scripts/regen_benchmark.py`)")
+    write_text_atomic(text, readme)
     return readme
 
 

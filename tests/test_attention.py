@@ -14,7 +14,7 @@ import torch
 import transformers.integrations.sdpa_attention as stock
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from eagle.attention import SDPA_GQA, register
+from eagle.attention import SDPA_GQA, register, suit_device
 from eagle.targets import attention_choices, load_target
 from eagle.testing import tiny_config
 
@@ -105,3 +105,13 @@ def test_cpu_targets_load_with_it(tiny_target_folder):
     assert attention_choices("cuda") == ["sdpa", "eager"]  # CUDA keeps stock SDPA (its fused kernels)
     target = load_target(str(tiny_target_folder))
     assert target.model.config._attn_implementation == SDPA_GQA
+
+
+def test_a_cpu_loaded_target_bound_for_a_gpu_gets_stock_sdpa_back():
+    """A sharded target is loaded on the CPU and run on GPUs, where CUDA's fused SDPA kernels are the fast ones."""
+    _, ours = _pair("llama")
+    suit_device(ours, torch.device("cpu"))
+    assert ours.config._attn_implementation == SDPA_GQA
+    suit_device(ours, torch.device("cuda", 0))  # only the choice changes: nothing moves
+    assert ours.config._attn_implementation == "sdpa"
+    assert ours.model.layers[0].self_attn.config._attn_implementation == "sdpa"

@@ -362,6 +362,16 @@ def test_benchmark_table_is_rebuilt_from_all_results(tmp_path):
     (tmp_path / "a.json").unlink()
     again = bench.update_readme(tmp_path).read_text()
     assert again.count("| 2026") == 1 and "intro kept" in again
+    regen = {"kind": "regen-throughput", "engines": {e: {
+        "conversations": 64, "answer_tokens": 5000, "seconds": s, "conversations_per_s": 64 / s,
+        "tokens_per_s": 5000 / s, "capture_features": e == "hf", "answers_identical_to_hf": same,
+    } for e, s, same in (("hf", 40.0, 64), ("vllm", 50.0, 63))}}
+    (tmp_path / "d.json").write_text(json.dumps(regen))
+    text = bench.update_readme(tmp_path).read_text()
+    assert "| d | hf | 64 | 5,000 | 40 | 1.60 | 125 | yes | 64 |" in text
+    assert "| d | vllm | 64 | 5,000 | 50 | 1.28 | 100 | no | 63 |" in text
+    assert text.count("| 2026") == 1  # not a row of the results table
+    assert bench.update_readme(tmp_path).read_text() == text  # rebuilding is stable
 
 
 def test_time_limit_runs_the_sets_in_turn_and_keeps_a_minimum(tmp_path, target, draft_dir, monkeypatch):

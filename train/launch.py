@@ -114,6 +114,7 @@ def load_target_here(target: Any, accelerator: Any, shard: bool = False) -> Any:
     """A ``Target``: as given, or loaded from a TargetConfig / name onto this process's device; with ``shard``
     (online training under a multi-process launch, ``target.shard: auto``) its decoder layers are then split
     across the processes (:func:`shard_target`)."""
+    from eagle.attention import suit_device
     from eagle.targets import Target, TargetConfig, load_target
 
     if isinstance(target, Target):
@@ -127,6 +128,7 @@ def load_target_here(target: Any, accelerator: Any, shard: bool = False) -> Any:
     with _without_zero3_init(accelerator):
         loaded = load_target(tcfg)
     if shard:
+        suit_device(loaded.model, accelerator.device)  # loaded on the CPU, run on this process's GPU
         shard_target(loaded, accelerator.device)
     return loaded
 
