@@ -9,7 +9,7 @@ cache (three times over for SmolLM2) into fresh memory the kernel then reads onc
 prompts of ~300 tokens, the decoding steps take 4.5x longer with the copy than without.
 
 :data:`SDPA_GQA` is that attention registered under its own name, through transformers' public attention and
-mask interfaces: the same masks as ``sdpa``, the same arithmetic per head, no copy. :mod:`eagle.targets` loads
+mask interfaces: the same masks and the same kernel as ``sdpa``, without the copy. :mod:`eagle.targets` loads
 CPU targets with it; on CUDA the stock ``sdpa`` stays.
 """
 
