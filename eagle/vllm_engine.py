@@ -194,7 +194,7 @@ def finish_worker(proc: subprocess.Popen, result_path: Path, timeout_s: float, w
     """Wait for a worker and read its result; an EagleError with the end of its output when it failed.
 
     ``on_line`` sees every line the worker prints (progress), as it comes."""
-    tail: deque[str] = deque(maxlen=40)
+    tail: deque[str] = deque(maxlen=15)
     # all of it, kept after the job's folder goes: vLLM prints a failure's root cause long before its end
     log_path = Path(tempfile.gettempdir()) / f"{result_path.stem}.log"
     causes: list[str] = []  # the first error lines: usually the root cause
@@ -222,14 +222,13 @@ def finish_worker(proc: subprocess.Popen, result_path: Path, timeout_s: float, w
             "or give it fewer prompts"
         ) from None
     reader.join(timeout=10)
+    shown = "\n".join(([*causes, "..."] if causes else []) + list(tail))  # root cause first, then the end
     if proc.returncode != 0 or not result_path.is_file():
-        text = "\n".join(([*causes, "..."] if causes else []) + list(tail)[-15:])
         raise EagleError(f"{what}: the vLLM worker failed (exit status {proc.returncode}; its whole output is in "
-                         f"{log_path}):\n{text}")
+                         f"{log_path}):\n{shown}")
     result = json.loads(result_path.read_text(encoding="utf-8"))
     if result.get("error"):
-        raise EagleError(f"{what}: {result['error']} (the worker's whole output: {log_path})\n"
-                         + "\n".join(([*causes, "..."] if causes else []) + list(tail)[-15:]))
+        raise EagleError(f"{what}: {result['error']} (the worker's whole output: {log_path})\n{shown}")
     log_path.unlink(missing_ok=True)  # kept only when something failed
     return result
 

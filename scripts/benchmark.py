@@ -97,16 +97,25 @@ def table_row(name: str, report: dict[str, Any]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def render_table(bench_dir: Path) -> str:
-    """The markdown results table built from every ``*.json`` in ``bench_dir`` (oldest first)."""
-    rows = []
+def read_reports(bench_dir: Path) -> list[tuple[Path, dict]]:
+    """Every ``*.json`` in ``bench_dir`` that holds a JSON object, by file name."""
+    reports = []
     for path in sorted(bench_dir.glob("*.json")):
         try:
             report = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
             print(f"skipping {path}: {exc}", file=sys.stderr)
             continue
-        if not isinstance(report, dict) or "overall" not in report:
+        if isinstance(report, dict):
+            reports.append((path, report))
+    return reports
+
+
+def render_table(reports: list[tuple[Path, dict]]) -> str:
+    """The markdown results table built from the evaluation reports among ``reports`` (oldest first)."""
+    rows = []
+    for path, report in reports:
+        if "overall" not in report:
             continue
         rows.append((str(report.get("date", "")), path.stem, table_row(path.stem, report)))
     header = (
@@ -116,16 +125,12 @@ def render_table(bench_dir: Path) -> str:
     return "\n".join([header] + [r for _, _, r in sorted(rows)])
 
 
-def render_regen_table(bench_dir: Path) -> str:
+def render_regen_table(reports: list[tuple[Path, dict]]) -> str:
     """The regeneration-throughput table (``scripts/regen_benchmark.py``'s JSONs), one row per engine and file."""
     rows = ["| file | engine | conversations | answer tokens | seconds | conv/s | answer tok/s | features kept "
             "| answers identical to hf |", "|---|---|---|---|---|---|---|---|---|"]
-    for path in sorted(bench_dir.glob("*.json")):
-        try:
-            report = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            continue  # render_table has said so already
-        if not isinstance(report, dict) or report.get("kind") != "regen-throughput":
+    for path, report in reports:
+        if report.get("kind") != "regen-throughput":
             continue
         for engine, r in report["engines"].items():
             same = r.get("answers_identical_to_hf")
@@ -150,8 +155,9 @@ def update_readme(bench_dir: Path) -> Path:
 
     readme = bench_dir / "README.md"
     text = readme.read_text(encoding="utf-8") if readme.is_file() else README_HEAD
-    text = _replace_between(text, START, END, render_table(bench_dir), "Results")
-    text = _replace_between(text, REGEN_START, REGEN_END, render_regen_table(bench_dir),
+    reports = read_reports(bench_dir)
+    text = _replace_between(text, START, END, render_table(reports), "Results")
+    text = _replace_between(text, REGEN_START, REGEN_END, render_regen_table(reports),
                             "Regeneration throughput (`scripts/regen_benchmark.py`)")
     write_text_atomic(text, readme)
     return readme
