@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "benchmarks"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 REGEN_START, REGEN_END = "<!-- regen:start -->", "<!-- regen:end -->"
+VLLM_START, VLLM_END = "<!-- vllm:start -->", "<!-- vllm:end -->"
 README_HEAD = f"""# Benchmarks
 
 Speculative decoding with trained draft heads on the public development set: `dev-chat` (40 chitchat
@@ -142,6 +143,39 @@ def render_regen_table(reports: list[tuple[Path, dict]]) -> str:
     return "\n".join(rows)
 
 
+def _per_prompt_speedup(report: dict[str, Any]) -> str:
+    """Mean and standard error of the prompts' own speedups: how far apart two rows must be to differ."""
+    import statistics
+
+    ratios = [p["baseline_time_s"] / p["time_s"] * p["new_tokens"] / p["baseline_new_tokens"]
+              for p in report.get("prompts", []) if p.get("time_s") and p.get("baseline_new_tokens")]
+    if len(ratios) < 2:
+        return "-"
+    return f"{statistics.mean(ratios):.2f} ± {statistics.stdev(ratios) / len(ratios) ** 0.5:.2f}"
+
+
+def render_vllm_table(reports: list[tuple[Path, dict]]) -> str:
+    """The exported head inside vLLM (``scripts/vllm_benchmark.py speed``'s JSONs), one row per dtype and k."""
+    rows = ["| file | head | dtype | k | vLLM steps | prompts | tau | pos 1 | tok/s plain | tok/s head | speedup "
+            "| per-prompt speedup | batched speedup | output = plain |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path, data in reports:
+        if data.get("kind") != "vllm-speed":
+            continue
+        for row in data["rows"]:
+            report = data["reports"][f"{row['dtype']}-k{row['k']}"]
+            eager = report["settings"]["vllm"].get("enforce_eager")
+            match = _fmt(100 * row["greedy_match_rate"], ".0f", "%")
+            if (row.get("mismatches") or {}).get("mismatched"):
+                match += f" ({row['mismatches']['near_ties']} near-ties)"
+            rows.append(
+                f"| {path.stem} | `{data['draft']}` | {row['dtype']} | {row['k']} | {'eager' if eager else 'compiled'} "
+                f"| {len(report.get('prompts', []))} | {row['tau']:.2f} | {row['per_position'][0]:.2f} "
+                f"| {row['tok_s_plain']:.1f} | {row['tok_s_spec']:.1f} | {row['speedup']:.2f}x "
+                f"| {_per_prompt_speedup(report)} | {_fmt(row['batched_speedup'], '.2f', 'x')} | {match} |"
+            )
+    return "\n".join(rows)
+
+
 def _replace_between(text: str, start: str, end: str, body: str, title: str) -> str:
     if start not in text or end not in text:
         text = text.rstrip("\n") + f"\n\n## {title}\n\n{start}\n{end}\n"
@@ -159,6 +193,8 @@ def update_readme(bench_dir: Path) -> Path:
     text = _replace_between(text, START, END, render_table(reports), "Results")
     text = _replace_between(text, REGEN_START, REGEN_END, render_regen_table(reports),
                             "Regeneration throughput (`scripts/regen_benchmark.py`)")
+    text = _replace_between(text, VLLM_START, VLLM_END, render_vllm_table(reports),
+                            "The head inside vLLM (`scripts/vllm_benchmark.py speed`)")
     write_text_atomic(text, readme)
     return readme
 
