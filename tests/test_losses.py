@@ -184,11 +184,12 @@ def test_step0_on_chosen_rows_equals_the_full_rows_and_gradients(left_pad):
         ttt_forward(head, batch["input_ids"], head.project(batch["aux_hidden"]), steps, am, None, rows0)
 
 
-def test_eagle3_loss_matches_hand_computation():
+@pytest.mark.parametrize("w", [0.0, 0.5, 1.0])
+def test_eagle3_loss_matches_hand_computation(w):
     head, target = setup("eagle3")
     steps, decay, t = 3, 0.8, 8
     batch = make_batch(target, [8, 6], t, seed=1)
-    loss, metrics = eagle3_ttt_loss(head, batch, target.lm_head, ttt_steps=steps, step_decay=decay)
+    loss, metrics = eagle3_ttt_loss(head, batch, target.lm_head, ttt_steps=steps, step_decay=decay, top1_weight=w)
     draft_ids = torch.arange(40) + head.d2t
     with torch.no_grad():
         hidden = head.project(batch["aux_hidden"])
@@ -206,7 +207,8 @@ def test_eagle3_loss_matches_hand_computation():
                 p = torch.softmax(tl[draft_ids], -1)  # restricted to the draft vocab, renormalised
                 logits = naive[(i, j)]
                 log_q = logits - torch.logsumexp(logits, -1)
-                total += -sum(float(p[v]) * float(log_q[v]) for v in range(40))
+                soft = -sum(float(p[v]) * float(log_q[v]) for v in range(40))
+                total += (1 - w) * soft - w * float(log_q[int(p.argmax())])  # w on the top draft token alone
                 count += 1
                 hits += int(int(draft_ids[int(logits.argmax())]) == int(tl.argmax()))
         assert count > 0
@@ -448,3 +450,19 @@ def test_exact_top1_taken_from_the_batch_when_given():
     rigged_top[:, 1:] = head.draft_to_target(head.logits(out).argmax(-1))[:, :-1]
     _, rigged = eagle3_ttt_loss(head, {**batch, "target_top": rigged_top}, target.lm_head, ttt_steps=2)
     assert rigged["acc_0"].item() == 1.0 and computed["acc_0"].item() < 1.0
+
+
+def test_trainer_passes_top1_weight_to_the_loss_and_checks_it():
+    from train.trainer import HeadWithLoss, TrainConfig
+
+    head, target = setup("eagle3")
+    batch = make_batch(target, [8, 6], 8, seed=2)
+    losses = {}
+    for w in (0.0, 1.0):
+        module = HeadWithLoss(head, target.lm_head, "eagle3", TrainConfig(ttt_steps=2, top1_weight=w)).eval()
+        losses[w] = module(batch)[0].item()
+        expected = eagle3_ttt_loss(head, batch, target.lm_head, ttt_steps=2, top1_weight=w)[0].item()
+        assert losses[w] == pytest.approx(expected)
+    assert losses[0.0] != pytest.approx(losses[1.0])
+    with pytest.raises(EagleError, match="train.top1_weight"):
+        TrainConfig(top1_weight=1.5).validate()

@@ -210,6 +210,7 @@ def eagle3_ttt_loss(
     step_decay: float = 0.8,
     noise_std: float = 0.0,
     exact_top1: bool = True,
+    top1_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-3 training-time-test loss: ``sum_j step_decay**j * CE_j`` over ``ttt_steps`` unrolled steps.
 
@@ -218,6 +219,9 @@ def eagle3_ttt_loss(
     logits gathered at the draft ids). We keep every position, also where the target's top token is outside the
     draft vocabulary: there the head still learns the best draft-vocab approximation. Counted where
     ``loss_mask[i+j+2]`` is set and tokens i..i+j+2 are real; each step is a mean over its own count.
+    ``top1_weight`` w mixes in a hard label: ``(1 - w) * CE_j + w * (-log p_head(top))``, where top is the
+    target's most likely draft token. Greedy verification of a chain accepts only that token, so a larger w
+    spends the head's capacity on the top-1 path rather than on the rest of the distribution.
 
     Only the target's logits at the draft ids are computed for the CE (``last_hidden @ W[draft_ids].T``), not
     the full ``lm_head`` over the whole vocabulary, and only at the positions a label is read from; the head's
@@ -241,7 +245,7 @@ def eagle3_ttt_loss(
         aux = add_feature_noise(aux.float(), noise_std)
     hidden = head.project(aux)
     counted = _counted(am, lm, ttt_steps)
-    labels = _Labels(head, batch, counted, target_lm_head, exact_top1)
+    labels = _Labels(head, batch, counted, target_lm_head, exact_top1, top1_weight)
     chains, needed = None, counted[0]
     if ttt_steps > 1:  # steps 1.. only along the chains that reach a label
         later = torch.stack(counted[1:]).any(0)
@@ -282,7 +286,7 @@ class _Labels:
     some TTT step reads a label from (the label of root i at step j is the target's distribution at i+j+1)."""
 
     def __init__(self, head: nn.Module, batch: dict, counted: list[torch.Tensor], target_lm_head: nn.Module,
-                 exact_top1: bool):
+                 exact_top1: bool, top1_weight: float = 0.0):
         ids = batch["input_ids"]
         t = ids.shape[1]
         labelled = torch.zeros_like(counted[0]) if counted else torch.zeros_like(ids, dtype=torch.bool)
@@ -293,12 +297,14 @@ class _Labels:
         draft_ids = torch.arange(head.d2t.numel(), device=ids.device) + head.d2t.to(ids.device)
         label_hidden = batch["last_hidden"][labelled.to(batch["last_hidden"].device)]
         draft_logits = _target_logits_at(target_lm_head, label_hidden, draft_ids).to(ids.device)
+        self.top1_weight = top1_weight
+        self.top_draft = draft_logits.argmax(-1)  # the target's most likely draft token, as a draft index
         if exact_top1 and "target_top" in batch:  # given by a caller that keeps them (validation)
             self.top = batch["target_top"].to(ids.device)[labelled]
         elif exact_top1:
             self.top = target_argmax(target_lm_head, label_hidden).to(ids.device)
         else:
-            self.top = draft_ids[draft_logits.argmax(-1)]
+            self.top = draft_ids[self.top_draft]
         self.logp = torch.log_softmax(draft_logits, dim=-1)  # [N, draft_vocab]
 
     def step_loss(self, head: nn.Module, out: torch.Tensor, roots: torch.Tensor, mask: torch.Tensor, j: int
@@ -313,7 +319,11 @@ class _Labels:
         label = (roots + j + 1).clamp(max=self.t - 1)[mask]
         rows = torch.arange(roots.shape[0], device=roots.device)[:, None].expand_as(roots)[mask]
         at = self.slot[rows, label]
-        ce = -(self.logp[at].exp() * torch.log_softmax(logits, dim=-1)).sum(-1)
+        logq = torch.log_softmax(logits, dim=-1)
+        ce = -(self.logp[at].exp() * logq).sum(-1)
+        if self.top1_weight:
+            hard = -logq.gather(-1, self.top_draft[at][:, None]).squeeze(-1)
+            ce = (1 - self.top1_weight) * ce + self.top1_weight * hard
         hit = head.draft_to_target(logits.argmax(-1)) == self.top[at]
         return ce.sum() / count, hit.sum() / count, count
 

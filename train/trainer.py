@@ -68,6 +68,8 @@ class TrainConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.95])  # AdamW betas
     ttt_steps: int = 3  # eagle3: training-time-test steps (the head drafts from its own outputs this many times)
     step_decay: float = 0.8  # eagle3: weight of TTT step j is step_decay**j
+    # eagle3: share of the loss on the target's top draft token (a hard label) instead of its whole distribution
+    top1_weight: float = 0.0
     noise_std: float = 0.0  # width of the uniform noise added to the target features (EAGLE's augmentation; 0 = off)
     ce_weight: float = 0.1  # eagle1
     reg_weight: float = 1.0  # eagle1
@@ -115,6 +117,9 @@ class TrainConfig:
             raise EagleError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 < self.step_decay <= 1:
             raise EagleError(f"train.step_decay must be in (0, 1], got {self.step_decay}")
+        if not 0 <= self.top1_weight <= 1:
+            raise EagleError(f"train.top1_weight must be in [0, 1] (0: the target's whole distribution), "
+                             f"got {self.top1_weight}")
         if len(self.adam_betas) != 2 or not all(0 <= b < 1 for b in self.adam_betas):
             raise EagleError(f"train.adam_betas must be two numbers in [0, 1), got {self.adam_betas}")
         if self.eval_every < 0:
@@ -180,6 +185,7 @@ class HeadWithLoss(nn.Module):
                 cfg.step_decay,
                 cfg.noise_std,
                 exact_top1=not self.training,
+                top1_weight=cfg.top1_weight,
             )
         return eagle1_loss(self.head, batch, self._lm_head[0], cfg.reg_weight, cfg.ce_weight, cfg.noise_std)
 
