@@ -19,7 +19,6 @@ ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 HF_DEVSET = "2026-12-05-demo-head-hf-devset.json"
 VLLM_DEVSET = "2026-12-05-vllm-speed-k3-devset.json"
-VLLM_SWEEP = "2026-12-05-vllm-k-sweep-bf16.json"
 GEMMA_DEVSET = "2026-12-05-gemma3-270m-demo-eval.json"
 # (what the row shows, file, how to read it)
 ROWS = [
