@@ -165,8 +165,10 @@ def render_vllm_table(reports: list[tuple[Path, dict]]) -> str:
             report = data["reports"][f"{row['dtype']}-k{row['k']}"]
             eager = report["settings"]["vllm"].get("enforce_eager")
             match = _fmt(100 * row["greedy_match_rate"], ".0f", "%")
-            if (row.get("mismatches") or {}).get("mismatched"):
-                match += f" ({row['mismatches']['near_ties']} near-ties)"
+            mm = row.get("mismatches") or {}
+            if mm.get("mismatched"):
+                match += f" ({mm['near_ties']} near-ties" + (f", {mm['not_near_ties']} not" if mm.get("not_near_ties")
+                                                            else "") + ")"
             rows.append(
                 f"| {path.stem} | `{data['draft']}` | {row['dtype']} | {row['k']} | {'eager' if eager else 'compiled'} "
                 f"| {len(report.get('prompts', []))} | {row['tau']:.2f} | {row['per_position'][0]:.2f} "

@@ -372,20 +372,23 @@ def test_benchmark_table_is_rebuilt_from_all_results(tmp_path):
     assert "| d | vllm | 64 | 5,000 | 50 | 1.28 | 100 | no | 63 |" in text
     assert text.count("| 2026") == 1  # not a row of the results table
     assert bench.update_readme(tmp_path).read_text() == text  # rebuilding is stable
-    # a vLLM speed file: two prompts 2x and 1x faster (per-prompt mean 1.5, SE 0.5), one near-tie in bf16
-    prompts = [{"time_s": t, "baseline_time_s": 2.0, "new_tokens": 10, "baseline_new_tokens": 10} for t in (1.0, 2.0)]
+    # a vLLM speed file: two prompts 2x and 1x faster (per-prompt mean 1.5, SE 0.5; the second writes 20% more
+    # tokens than plain decoding in 20% more time), one near-tie and one other mismatch in bf16
+    prompts = [{"time_s": 1.0, "baseline_time_s": 2.0, "new_tokens": 10, "baseline_new_tokens": 10},
+               {"time_s": 2.4, "baseline_time_s": 2.0, "new_tokens": 12, "baseline_new_tokens": 10}]
     rows, reports = [], {}
     for dtype, eager in (("float32", False), ("bfloat16", True)):
         rows.append({"dtype": dtype, "k": 3, "tau": 1.8, "per_position": [0.45, 0.25, 0.1], "tok_s_plain": 20.0,
                      "tok_s_spec": 26.7, "speedup": 4 / 3, "batched_speedup": 0.5, "greedy_match_rate": 0.5,
-                     "mismatches": {"mismatched": int(dtype == "bfloat16"), "near_ties": int(dtype == "bfloat16")}})
+                     "mismatches": {"mismatched": 2 * (dtype == "bfloat16"), "near_ties": int(dtype == "bfloat16"),
+                                    "not_near_ties": int(dtype == "bfloat16")}})
         reports[f"{dtype}-k3"] = {"settings": {"vllm": {"enforce_eager": eager}}, "prompts": prompts}
     vllm = {"kind": "vllm-speed", "draft": "runs/demo/export", "rows": rows, "reports": reports}
     (tmp_path / "e.json").write_text(json.dumps(vllm))
     text = bench.update_readme(tmp_path).read_text()
     assert ("| e | `runs/demo/export` | float32 | 3 | compiled | 2 | 1.80 | 0.45 | 20.0 | 26.7 | 1.33x | 1.50 ± 0.50 "
             "| 0.50x | 50% |") in text
-    assert "| bfloat16 | 3 | eager | 2 |" in text and "| 50% (1 near-ties) |" in text
+    assert "| bfloat16 | 3 | eager | 2 |" in text and "| 50% (1 near-ties, 1 not) |" in text
     assert text.count("| 2026") == 1 and bench.update_readme(tmp_path).read_text() == text
 
 

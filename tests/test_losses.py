@@ -466,3 +466,6 @@ def test_trainer_passes_top1_weight_to_the_loss_and_checks_it():
     assert losses[0.0] != pytest.approx(losses[1.0])
     with pytest.raises(EagleError, match="train.top1_weight"):
         TrainConfig(top1_weight=1.5).validate()
+    eagle1, _ = setup("eagle1")
+    with pytest.raises(EagleError, match="train.top1_weight applies to eagle3"):  # not silently ignored
+        HeadWithLoss(eagle1, target.lm_head, "eagle1", TrainConfig(top1_weight=0.5))

@@ -165,6 +165,9 @@ class HeadWithLoss(nn.Module):
 
     def __init__(self, head: nn.Module, target_lm_head: nn.Module, kind: str, cfg: TrainConfig):
         super().__init__()
+        if kind != "eagle3" and cfg.top1_weight:
+            raise EagleError(f"train.top1_weight applies to eagle3 heads (their TTT loss); this head is {kind}: "
+                             "set train.top1_weight=0")
         self.head = head
         self.config = head.config  # accelerate reads model.config.hidden_size for DeepSpeed "auto" buckets
         self.kind = kind
