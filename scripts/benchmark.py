@@ -80,6 +80,8 @@ def table_row(name: str, report: dict[str, Any]) -> str:
     device = report.get("device_name") or report.get("device", "?")
     if report.get("settings", {}).get("cpu_prepacked_layers"):
         device += " prepacked"
+    if report.get("engine") == "vllm":  # `eagle eval --engine vllm`: the head served by vLLM, not our loop
+        device = f"vLLM {report.get('vllm_version', '')} {device}".replace("  ", " ")
     cells = [
         str(report.get("date", "?"))[:10],
         name,

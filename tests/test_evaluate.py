@@ -358,6 +358,11 @@ def test_benchmark_table_is_rebuilt_from_all_results(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps(lookup))
     row = [x for x in bench.update_readme(tmp_path).read_text().splitlines() if "| c |" in x][0]
     assert "| cpu prepacked float32, bfloat16 head |" in row
+    served = {**result("2026-12-03T10:00:00+00:00", 2.1, 1.4), "engine": "vllm", "vllm_version": "0.32.0",
+              "tree": {"policy": "chain", "depth": 3}}
+    (tmp_path / "c.json").write_text(json.dumps(served))
+    row = [x for x in bench.update_readme(tmp_path).read_text().splitlines() if "| c |" in x][0]
+    assert "| vLLM 0.32.0 cpu float32 | chain d3 |" in row  # an eval through vLLM says so
     (tmp_path / "c.json").unlink()
     (tmp_path / "a.json").unlink()
     again = bench.update_readme(tmp_path).read_text()
