@@ -16,6 +16,7 @@ import argparse
 import datetime
 import json
 import re
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -147,8 +148,6 @@ def render_regen_table(reports: list[tuple[Path, dict]]) -> str:
 
 def _per_prompt_speedup(report: dict[str, Any]) -> str:
     """Mean and standard error of the prompts' own speedups: how far apart two rows must be to differ."""
-    import statistics
-
     ratios = [p["baseline_time_s"] / p["time_s"] * p["new_tokens"] / p["baseline_new_tokens"]
               for p in report.get("prompts", []) if p.get("time_s") and p.get("baseline_new_tokens")]
     if len(ratios) < 2:
@@ -169,8 +168,8 @@ def render_vllm_table(reports: list[tuple[Path, dict]]) -> str:
             match = _fmt(100 * row["greedy_match_rate"], ".0f", "%")
             mm = row.get("mismatches") or {}
             if mm.get("mismatched"):
-                match += f" ({mm['near_ties']} near-ties" + (f", {mm['not_near_ties']} not" if mm.get("not_near_ties")
-                                                            else "") + ")"
+                others = f", {mm['not_near_ties']} not" if mm.get("not_near_ties") else ""
+                match += f" ({mm['near_ties']} near-ties{others})"
             rows.append(
                 f"| {path.stem} | `{data['draft']}` | {row['dtype']} | {row['k']} | {'eager' if eager else 'compiled'} "
                 f"| {len(report.get('prompts', []))} | {row['tau']:.2f} | {row['per_position'][0]:.2f} "
