@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +78,8 @@ def apply_budget(cfg: RunConfig, minutes: float, default_minutes: float = 30.0) 
     # each floor keeps a short budget useful, but never raises a value the config itself set lower
     if cfg.data.max_conversations:
         cfg.data.max_conversations = _scaled(cfg.data.max_conversations, factor, floor=16)
+    if factor > 1:  # a larger cap alone would only add epochs over the same prompts: draw more of each source
+        cfg.data.sources = [_scaled_source(spec, factor) for spec in cfg.data.sources]
     if cfg.train.max_steps:
         cfg.train.max_steps = _scaled(cfg.train.max_steps, factor, floor=20)
     if cfg.eval.max_prompts and factor < 1:
@@ -85,6 +88,16 @@ def apply_budget(cfg: RunConfig, minutes: float, default_minutes: float = 30.0) 
 
 def _scaled(value: int, factor: float, floor: int) -> int:
     return max(min(floor, value), int(value * factor))
+
+
+_COUNTED_SOURCE = re.compile(r"^(chitchat|stdlib-code):(\d+)$")
+
+
+def _scaled_source(spec: str, factor: float) -> str:
+    """``chitchat:900`` -> ``chitchat:2700`` at factor 3; other specs (files, hub data, uncounted) as they are.
+    A count past what a source holds just takes all of it."""
+    match = _COUNTED_SOURCE.match(spec.strip())
+    return f"{match.group(1)}:{int(int(match.group(2)) * factor)}" if match else spec
 
 
 def limit_stage(cfg: RunConfig, stage: str, stages_left: list[str], seconds_left: float) -> float | None:

@@ -288,6 +288,21 @@ def test_a_budget_scales_the_config_but_never_raises_what_it_set_lower():
     assert (cfg.data.max_conversations, cfg.train.max_steps, cfg.eval.max_prompts) == (50, 20, 4)
 
 
+def test_a_larger_budget_draws_more_prompts_from_each_counted_source():
+    from recipes.config import RunConfig
+    from recipes.demo import apply_budget
+
+    cfg = RunConfig()
+    cfg.data.sources = ["chitchat:900", "stdlib-code:1240", "chats.jsonl", "hf:org/data:train[:500]"]
+    cfg.data.max_conversations = 2140
+    apply_budget(cfg, 90.0)  # 3x the time: 3x the prompts, or the cap alone would add only epochs
+    assert cfg.data.max_conversations == 6420
+    assert cfg.data.sources == ["chitchat:2700", "stdlib-code:3720", "chats.jsonl", "hf:org/data:train[:500]"]
+    apply_budget(cfg, 15.0)  # a smaller budget keeps the mix and lets the cap cut the shuffled pool
+    assert cfg.data.sources[:2] == ["chitchat:2700", "stdlib-code:3720"]
+    assert cfg.data.max_conversations == 3210
+
+
 def test_exported_head_reloads_and_decodes_losslessly(offline_run, workspace):
     target = load_target(str(workspace["target"]))
     head = load_exported_head(offline_run / "export", target, dtype="float32")
