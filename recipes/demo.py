@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from recipes.eval import run as run_eval
 from recipes.export import run as run_export
 from recipes.prepare import run as run_prepare
 from recipes.train import run as run_train
+from train.sources import parse_source_spec
 
 RUNNERS: dict[str, Callable[[RunConfig], Any]] = {
     "prepare": run_prepare, "collect": run_collect, "train": run_train, "export": run_export, "eval": run_eval,
@@ -90,14 +90,13 @@ def _scaled(value: int, factor: float, floor: int) -> int:
     return max(min(floor, value), int(value * factor))
 
 
-_COUNTED_SOURCE = re.compile(r"^(chitchat|stdlib-code):(\d+)$")
-
-
 def _scaled_source(spec: str, factor: float) -> str:
     """``chitchat:900`` -> ``chitchat:2700`` at factor 3; other specs (files, hub data, uncounted) as they are.
     A count past what a source holds just takes all of it."""
-    match = _COUNTED_SOURCE.match(spec.strip())
-    return f"{match.group(1)}:{int(int(match.group(2)) * factor)}" if match else spec
+    if spec.strip().partition(":")[0] not in ("chitchat", "stdlib-code"):
+        return spec  # not parsed here: a file's existence is prepare's to check
+    parsed = parse_source_spec(spec)
+    return f"{parsed.kind}:{int(parsed.limit * factor)}" if parsed.limit else spec
 
 
 def limit_stage(cfg: RunConfig, stage: str, stages_left: list[str], seconds_left: float) -> float | None:
