@@ -195,7 +195,7 @@ def test_chitchat_reserve_never_in_training():
 
 def test_stdlib_code_prompts():
     prompts = SC.stdlib_code_prompts()
-    assert 300 <= len(prompts) <= 1500
+    assert len(prompts) >= 2500
     texts = [p[0]["content"] for p in prompts]
     assert len(set(texts)) == len(texts)
     stubs = [t for t in texts if t.startswith("Complete the following Python function.\n\n```python\ndef ")]
@@ -210,6 +210,28 @@ def test_stdlib_code_prompts():
         S.load_source("stdlib-code:5")
     convs = S.load_source("stdlib-code:5", regenerate=True)
     assert len(convs) == 5 and [c.messages for c in convs] == prompts[:5]
+
+
+def test_stdlib_code_grows_past_its_listed_modules_without_moving_them():
+    """A budget that asks for more code requests than the listed modules give (`--budget 90` draws 3,720) gets the
+    rest of the library and a second request for each function in the other form, after the listed ones, which
+    keep their order (the 30-minute demo's 1,240 prompts stay the same)."""
+    items = SC.stdlib_items()
+    listed = set(SC.STDLIB_MODULES) | set(SC.STDLIB_METHOD_CLASSES)
+    first = [k for k, _ in items].index(next(k for k, _ in items if k.rsplit(".", 1)[0] not in listed))
+    assert 1000 <= first and all(k.rsplit(".", 1)[0] in listed for k, _ in items[:first])
+    more = items[first:]
+    assert len(more) >= 2000 and len({t for _, t in items}) == len(items)
+    again = dict(more)
+    assert {k.rsplit(".", 1)[0] for k in again if not k.endswith("#2")} & {"abc", "builtins", "http.client"}
+    stub = "Complete the following Python function."
+    # each function asked twice: once as a stub and once in words, both naming it
+    dedent = dict(items)
+    assert dedent["textwrap.dedent"].startswith(stub) != dedent["textwrap.dedent#2"].startswith(stub)
+    assert all("dedent(text)" in dedent[k] for k in ("textwrap.dedent", "textwrap.dedent#2"))
+    assert sum(k.endswith("#2") for k in again) >= 1000 and not any(k.endswith("#2") for k, _ in items[:first])
+    # any prefix of the extension mixes new modules with second requests
+    assert 10 <= sum(k.endswith("#2") for k in list(again)[:40]) <= 30
 
 
 def test_stdlib_code_prompts_are_the_same_in_every_process():

@@ -81,13 +81,18 @@ def _function_stub(head: str, para: str) -> str:
     return f'def {name_sig}:\n    """\n{doc}\n    """\n'
 
 
-def _stdlib_request(index: int, module: str, head: str, para: str, kind: str, like: str | None = None) -> str:
+def _stdlib_request(
+    index: int, module: str, head: str, para: str, kind: str, like: str | None = None, second: bool = False
+) -> str:
     """Turn one docstring paragraph into a user request; a few phrasings, chosen by index, for variety.
 
     Two functions in three become a stub to complete (signature + docstring in a code block), the form of the
     common code benchmarks' prompts; the rest are written requests. ``index`` counts items of the same kind.
+    ``second`` asks for the other form of the same function: the written request where the first was a stub, and
+    the stub where it was written (a second answer by the target to the same task, in other words).
     """
-    if kind == "function" and index % 3 != 2:
+    stub = kind == "function" and (index % 3 != 2) != second
+    if stub:
         return f"Complete the following Python function.\n\n```python\n{_function_stub(head, para)}```"
     first, _, rest = para.partition(" ")
     if like is not None:
@@ -213,26 +218,67 @@ def _round_robin(groups: list[list[Any]]) -> list[Any]:
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def stdlib_items() -> tuple[tuple[str, str], ...]:
-    """``(id, request)`` pairs from the documented public callables of the standard library, deduplicated.
+# the rest of the standard library, for budgets that want more than the modules above give; not the modules whose
+# import has side effects (a browser, a printed poem, a display) or that are deprecated (PEP 594), nor the
+# platform-specific ones that exist only on some machines, nor `inspect` (see above) or `sys`, whose hooks
+# are whatever the running program (a test runner, a notebook) installed
+_LEFT_OUT = frozenset(
+    "inspect sys antigravity this idlelib tkinter turtle turtledemo lib2to3 ensurepip venv pydoc_data test distutils imp "
+    "asynchat asyncore smtpd cgi cgitb crypt nntplib telnetlib sndhdr imghdr audioop chunk mailcap msilib nis "
+    "ossaudiodev pipes spwd sunau uu xdrlib nt msvcrt winreg winsound readline curses posix ntpath nturl2path "
+    "xxlimited xxsubtype".split()
+)
+STDLIB_MORE_PACKAGES = (
+    "email.message", "email.headerregistry", "email.header", "email.charset", "email.parser", "email.policy",
+    "http.client", "http.cookies", "http.cookiejar", "http.server", "importlib.util", "importlib.metadata",
+    "importlib.resources", "json.decoder", "json.encoder", "logging.handlers", "logging.config",
+    "multiprocessing.pool", "multiprocessing.shared_memory", "unittest.mock", "urllib.error", "urllib.response",
+    "urllib.robotparser", "xml.dom.minidom", "xml.sax.handler", "xml.parsers.expat", "xmlrpc.client",
+    "concurrent.futures.thread", "asyncio.locks", "asyncio.queues", "asyncio.tasks", "asyncio.streams",
+    "sqlite3.dbapi2", "ctypes.util", "os",
+)  # fmt: skip
 
-    Modules and classes are interleaved, so that ``stdlib-code:N`` covers the whole library, not its first modules.
-    """
-    seen: set[tuple[str, str]] = set()
-    items: list[tuple[str, str]] = []
-    groups = [sorted(_module_requests(m), key=lambda r: r[3] != "function") for m in STDLIB_MODULES]
-    groups += [list(_method_requests(c)) for c in STDLIB_METHOD_CLASSES]
-    per_kind: dict[str, int] = {}
-    for item_id, head, para, kind, like in _round_robin(groups):
-        key = (head.split("(")[0], para)
-        if key in seen:
+
+def stdlib_more_modules() -> list[str]:
+    """The public standard-library modules not in :data:`STDLIB_MODULES`, in a fixed order."""
+    top = sorted(m for m in sys.stdlib_module_names if not m.startswith("_") and m not in _LEFT_OUT)
+    return [m for m in top + list(STDLIB_MORE_PACKAGES) if m not in STDLIB_MODULES]
+
+
+def _phrase(rows: list[tuple[str, str, str, str, str | None]], seen: set, per_kind: dict[str, int], second: bool):
+    """``(id, request)`` for the rows not seen yet, numbering each kind on from ``per_kind``."""
+    items = []
+    for item_id, head, para, kind, like in rows:
+        key = (head.split("(")[0], para, second)
+        if key in seen or (second and kind != "function"):
             continue
         seen.add(key)
         module = item_id.rsplit(".", 1)[0]
         index = per_kind[kind] = per_kind.get(kind, -1) + 1
-        items.append((item_id, _stdlib_request(index, module, head, para, kind, like)))
-    return tuple(items)
+        request = _stdlib_request(index, module, head, para, kind, like, second)
+        items.append((f"{item_id}#2" if second else item_id, request))
+    return items
+
+
+@functools.lru_cache(maxsize=1)
+def stdlib_items() -> tuple[tuple[str, str], ...]:
+    """``(id, request)`` pairs from the documented public callables of the standard library, deduplicated.
+
+    First the modules and classes named above, interleaved, so that ``stdlib-code:N`` covers the whole list, not
+    its first modules; these keep their order whatever is added after them. Then, for larger counts, the rest of
+    the library's modules interleaved with a second request for every function, in the other form (the
+    ``#2`` ids).
+    """
+    groups = [sorted(_module_requests(m), key=lambda r: r[3] != "function") for m in STDLIB_MODULES]
+    groups += [list(_method_requests(c)) for c in STDLIB_METHOD_CLASSES]
+    seen: set = set()
+    rows = _round_robin(groups)
+    first = _phrase(rows, seen, {}, second=False)
+    more_rows = _round_robin([sorted(_module_requests(m), key=lambda r: r[3] != "function")
+                              for m in stdlib_more_modules()])
+    more = _phrase(more_rows, seen, {}, second=False)
+    again = _phrase(rows + more_rows, seen, {}, second=True)
+    return tuple(first + _round_robin([more, again]))
 
 
 def stdlib_code_prompts() -> list[list[Message]]:
