@@ -235,7 +235,7 @@ STDLIB_MORE_PACKAGES = (
     "multiprocessing.pool", "multiprocessing.shared_memory", "unittest.mock", "urllib.error", "urllib.response",
     "urllib.robotparser", "xml.dom.minidom", "xml.sax.handler", "xml.parsers.expat", "xmlrpc.client",
     "concurrent.futures.thread", "asyncio.locks", "asyncio.queues", "asyncio.tasks", "asyncio.streams",
-    "sqlite3.dbapi2", "ctypes.util", "os",
+    "sqlite3.dbapi2", "ctypes.util",
 )  # fmt: skip
 
 
@@ -245,9 +245,10 @@ def stdlib_more_modules() -> list[str]:
     return [m for m in top + list(STDLIB_MORE_PACKAGES) if m not in STDLIB_MODULES]
 
 
-def _phrase(rows: list[tuple[str, str, str, str, str | None]], seen: set, per_kind: dict[str, int], second: bool):
-    """``(id, request)`` for the rows not seen yet, numbering each kind on from ``per_kind``."""
-    items = []
+def _phrase(rows: list[tuple[str, str, str, str, str | None]], seen: set[tuple], second: bool) -> list[tuple[str, str]]:
+    """``(id, request)`` for the rows not in ``seen`` yet (which it extends); each kind numbered from 0."""
+    items: list[tuple[str, str]] = []
+    per_kind: dict[str, int] = {}
     for item_id, head, para, kind, like in rows:
         key = (head.split("(")[0], para, second)
         if key in seen or (second and kind != "function"):
@@ -271,13 +272,13 @@ def stdlib_items() -> tuple[tuple[str, str], ...]:
     """
     groups = [sorted(_module_requests(m), key=lambda r: r[3] != "function") for m in STDLIB_MODULES]
     groups += [list(_method_requests(c)) for c in STDLIB_METHOD_CLASSES]
-    seen: set = set()
+    seen: set[tuple] = set()
     rows = _round_robin(groups)
-    first = _phrase(rows, seen, {}, second=False)
+    first = _phrase(rows, seen, second=False)
     more_rows = _round_robin([sorted(_module_requests(m), key=lambda r: r[3] != "function")
                               for m in stdlib_more_modules()])
-    more = _phrase(more_rows, seen, {}, second=False)
-    again = _phrase(rows + more_rows, seen, {}, second=True)
+    more = _phrase(more_rows, seen, second=False)
+    again = _phrase(rows + more_rows, seen, second=True)
     return tuple(first + _round_robin([more, again]))
 
 
