@@ -228,6 +228,7 @@ def test_stdlib_code_grows_past_its_listed_modules_without_moving_them():
     # each function asked twice: once as a stub and once in words, both naming it
     dedent = dict(items)
     assert dedent["textwrap.dedent"].startswith(stub) != dedent["textwrap.dedent#2"].startswith(stub)
+    assert all(dedent[k].startswith(stub) != dedent[k[:-2]].startswith(stub) for k in again if k.endswith("#2"))
     assert all("dedent(text)" in dedent[k] for k in ("textwrap.dedent", "textwrap.dedent#2"))
     assert sum(k.endswith("#2") for k in again) >= 1000 and not any(k.endswith("#2") for k, _ in items[:first])
     # any prefix of the extension mixes new modules with second requests

@@ -210,6 +210,11 @@ def _method_requests(qualname: str) -> Iterator[tuple[str, str, str, str, str | 
         )
 
 
+def _module_group(module_name: str) -> list[tuple[str, str, str, str, str | None]]:
+    """One module's requests, functions first."""
+    return sorted(_module_requests(module_name), key=lambda r: r[3] != "function")
+
+
 def _round_robin(groups: list[list[Any]]) -> list[Any]:
     """One item from each group in turn, so that any prefix of the result spans all groups."""
     out: list[Any] = []
@@ -270,13 +275,12 @@ def stdlib_items() -> tuple[tuple[str, str], ...]:
     the library's modules interleaved with a second request for every function, in the other form (the
     ``#2`` ids).
     """
-    groups = [sorted(_module_requests(m), key=lambda r: r[3] != "function") for m in STDLIB_MODULES]
+    groups = [_module_group(m) for m in STDLIB_MODULES]
     groups += [list(_method_requests(c)) for c in STDLIB_METHOD_CLASSES]
     seen: set[tuple] = set()
     rows = _round_robin(groups)
     first = _phrase(rows, seen, second=False)
-    more_rows = _round_robin([sorted(_module_requests(m), key=lambda r: r[3] != "function")
-                              for m in stdlib_more_modules()])
+    more_rows = _round_robin([_module_group(m) for m in stdlib_more_modules()])
     more = _phrase(more_rows, seen, second=False)
     again = _phrase(rows + more_rows, seen, second=True)
     return tuple(first + _round_robin([more, again]))
