@@ -34,6 +34,7 @@ from eagle.fileio import write_json_atomic
 from eagle.metrics import PromptRun, print_report_table, prompt_record, summarize, versions
 from eagle.prompts import load_prompt_sets
 from eagle.speculate import GenerationResult
+from eagle.speed_model import describe, fit_speed_model, speed_points
 from eagle.vllm_engine import EngineSpec, Job, accepted_per_position, run_job, speculative_method
 
 PARITY_Z = 4.0  # standard errors vLLM's acceptance may trail the HF loop's at a position before parity fails
@@ -205,6 +206,7 @@ def vllm_reports(
             "prompt_sets": {name: summarize(runs[name], 0.0) for name, _ in sets},
             "overall": summarize(all_runs, 0.0),
             "engine_counts": engines[f"k{k}"].get("single_counts"),  # vLLM's own counters (one head engine)
+            "speed_model": fit_speed_model(speed_points(all_runs), k + 1) if cfg.baseline else None,
             "batched": _batched_summary(engines, f"k{k}"),
             "greedy_mismatches": _referee(all_runs, target_dir, dtype, trust_remote_code) if cfg.baseline else None,
             "prompts": [prompt_record(r) for r in all_runs],
@@ -233,6 +235,9 @@ def evaluate_vllm(
 def print_vllm_report(report: dict[str, Any], console: Any) -> None:
     """The HF loop's table plus the batched line and the referee's note."""
     print_report_table(report, console)
+    speed_line = describe(report.get("speed_model"))
+    if speed_line:
+        console.print(speed_line, highlight=False)
     batched = report.get("batched")
     if batched:
         console.print(

@@ -155,10 +155,24 @@ def _per_prompt_speedup(report: dict[str, Any]) -> str:
     return f"{statistics.mean(ratios):.2f} ± {statistics.stdev(ratios) / len(ratios) ** 0.5:.2f}"
 
 
+def _tau_for_2x(report: dict[str, Any], k: int) -> str:
+    """The tau a 2x speedup needs on that machine and hour (eagle.speed_model, fitted on the report's prompts),
+    and the speedup a head whose every draft is accepted would get there."""
+    from eagle.speed_model import fit_speed_model, record_points
+
+    model = fit_speed_model(record_points(report.get("prompts", [])), k + 1)
+    if model is None:
+        return "-"
+    need = model["tau_for"]["2x"]
+    shown = "out of reach" if need is None or need > k + 1 else f"{need:.2f}"
+    return f"{shown} ({model['speedup_at_max_tau']:.2f}x)"
+
+
 def render_vllm_table(reports: list[tuple[Path, dict]]) -> str:
     """The exported head inside vLLM (``scripts/vllm_benchmark.py speed``'s JSONs), one row per dtype and k."""
     rows = ["| file | head | dtype | k | vLLM steps | prompts | tau | pos 1 | tok/s plain | tok/s head | speedup "
-            "| per-prompt speedup | batched speedup | output = plain |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            "| per-prompt speedup | batched speedup | output = plain | 2x needs tau (all accepted) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, data in reports:
         if data.get("kind") != "vllm-speed":
             continue
@@ -174,7 +188,8 @@ def render_vllm_table(reports: list[tuple[Path, dict]]) -> str:
                 f"| {path.stem} | `{data['draft']}` | {row['dtype']} | {row['k']} | {'eager' if eager else 'compiled'} "
                 f"| {len(report.get('prompts', []))} | {row['tau']:.2f} | {row['per_position'][0]:.2f} "
                 f"| {row['tok_s_plain']:.1f} | {row['tok_s_spec']:.1f} | {row['speedup']:.2f}x "
-                f"| {_per_prompt_speedup(report)} | {_fmt(row['batched_speedup'], '.2f', 'x')} | {match} |"
+                f"| {_per_prompt_speedup(report)} | {_fmt(row['batched_speedup'], '.2f', 'x')} | {match} "
+                f"| {_tau_for_2x(report, row['k'])} |"
             )
     return "\n".join(rows)
 

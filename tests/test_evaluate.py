@@ -110,6 +110,7 @@ def test_report_fields_values_and_plots(tmp_path, target, draft_dir, prompts_fil
         assert on_disk[key], key
     assert on_disk["target"] == "tiny-a" and on_disk["head"] == str(draft_dir)
     assert len(on_disk["prompts"]) == 3 and all(p["first_mismatch"] is None for p in on_disk["prompts"])
+    assert on_disk["speed_model"] is None  # 3 prompts do not pin the line of speed against tau
     mism = on_disk["greedy_mismatches"]
     assert mism["prompts"] == 3 and mism["mismatched"] == 0 and mism["dtype"] == "float32"
     for name in ("accept_hist.png", "accept_by_depth.png"):
@@ -392,9 +393,16 @@ def test_benchmark_table_is_rebuilt_from_all_results(tmp_path):
     (tmp_path / "e.json").write_text(json.dumps(vllm))
     text = bench.update_readme(tmp_path).read_text()
     assert ("| e | `runs/demo/export` | float32 | 3 | compiled | 2 | 1.80 | 0.45 | 20.0 | 26.7 | 1.33x | 1.50 ± 0.50 "
-            "| 0.50x | 50% |") in text
+            "| 0.50x | 50% | - |") in text
     assert "| bfloat16 | 3 | eager | 2 |" in text and "| 50% (1 near-ties, 1 not) |" in text
     assert text.count("| 2026") == 1 and bench.update_readme(tmp_path).read_text() == text
+    # ten prompts whose times follow time/plain = 0.1 + 1.2 / tau: 2x needs tau 1.2 / (1/2 - 0.1) = 3, and a
+    # chain of 3 with every draft accepted (tau 4) gives 1 / (0.1 + 1.2 / 4) = 2.5x
+    fitted = [{"acceptance_length_mean": tau, "time_s": 0.1 + 1.2 / tau, "baseline_time_s": 1.0, "new_tokens": 96,
+               "baseline_new_tokens": 96} for tau in (1.2, 1.5, 1.7, 2.0, 2.2, 2.5, 2.8, 3.1, 3.5, 3.9)]
+    vllm["rows"], vllm["reports"] = rows[:1], {"float32-k3": {**reports["float32-k3"], "prompts": fitted}}
+    (tmp_path / "f.json").write_text(json.dumps(vllm))
+    assert "| 3.00 (2.50x) |" in bench.update_readme(tmp_path).read_text()
 
 
 def test_time_limit_runs_the_sets_in_turn_and_keeps_a_minimum(tmp_path, target, draft_dir, monkeypatch):
