@@ -103,6 +103,11 @@ def cpu_has_fast_bf16() -> bool:
     return any(bool(getattr(cpu, name, lambda: False)()) for name in checks)
 
 
+def cpu_has_avx512() -> bool:
+    """Whether this CPU has the AVX512 subsets (F, BW, VL, DQ) oneDNN's prepacked bf16 layers run on."""
+    return bool(getattr(getattr(torch, "cpu", None), "_is_avx512_supported", lambda: False)())
+
+
 def parse_device(device: str, check_available: bool = True) -> str:
     """Check a device string (``cpu``, ``cuda``, ``cuda:N`` or ``auto``) and return it normalised.
 
@@ -371,6 +376,8 @@ def prepack_for_cpu(
     params = list(module.parameters())
     if not torch.backends.mkldnn.is_available() or not params or params[0].device.type != "cpu":
         return 0
+    if not cpu_has_avx512():  # oneDNN's bf16 linear needs AVX512 (BW, VL, DQ): elsewhere bf16 layers stay as they are
+        dtypes = tuple(d for d in dtypes if d != torch.bfloat16)
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):

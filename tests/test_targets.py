@@ -384,3 +384,21 @@ def test_avoid_cudnn_attention_only_on_cuda(monkeypatch):
         assert not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.parametrize("avx512", [True, False])
+def test_bf16_layers_are_prepacked_only_where_onednn_runs_them(monkeypatch, avx512):
+    """oneDNN's prepacked bf16 linear fails at its first call on a CPU without AVX512 (BW, VL, DQ): there the bf16
+    layers stay plain nn.Linear, and the module still runs."""
+    from eagle.targets import prepack_for_cpu
+
+    if not torch.backends.mkldnn.is_available() or (avx512 and not torch.cpu._is_avx512_supported()):
+        pytest.skip("needs oneDNN (and, for the prepacked bf16 case, an AVX512 CPU)")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_supported", lambda: avx512)
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4).to(torch.bfloat16))
+    assert prepack_for_cpu(module, dtypes=(torch.float32, torch.bfloat16)) == (2 if avx512 else 1)
+    assert (type(module[1]) is torch.nn.Linear) is not avx512
+    with torch.no_grad():
+        out = module[1](module[0](torch.randn(3, 8)).to(torch.bfloat16))
+    assert out.shape == (3, 4) and out.dtype == torch.bfloat16
