@@ -37,8 +37,8 @@ from eagle.metrics import PromptRun, print_report_table, prompt_record, summariz
 from eagle.prompts import load_prompt_sets
 from eagle.sampling import Sampling, check_warping
 from eagle.speculate import plain_generate, speculative_generate
-from eagle.speed_model import describe, fit_speed_model, max_tau, speed_points
-from eagle.tree import TreeConfig, verify_tokens
+from eagle.speed_model import describe, fit_speed_model, speed_points
+from eagle.tree import TreeConfig, deepest_node, verify_tokens
 from eagle.vllm_engine import VllmConfig
 
 METHODS = ("speculative", "chain", "plain", "prompt_lookup")
@@ -454,8 +454,7 @@ def evaluate(
         "prompt_sets": {name: summarize([r for r in runs if r.set_name == name], cfg.temperature)
                         for name, _ in sets},
         "overall": summarize(runs, cfg.temperature),
-        "speed_model": fit_speed_model(
-            speed_points(runs), max_tau(tree_cfg.depth, tree_cfg.lookup_ngram, tree_cfg.lookup_tokens)),
+        "speed_model": fit_speed_model(speed_points(runs), deepest_node(tree_cfg) + 1),
         "greedy_mismatches": mismatches,
         "wall_time_s": wall_time,
         "prompts": [prompt_record(r) for r in runs],
@@ -472,7 +471,7 @@ def _write_report(report: dict[str, Any], out: Path, console: Any) -> None:
     report["plots"] = {k: Path(v).name for k, v in plots.items()}
     write_json_atomic(report, out)
     print_report_table(report, console)
-    speed_line = describe(report.get("speed_model"))
+    speed_line = describe(report.get("speed_model"), "chain tau" if report["tree"]["policy"] == "chain" else "tree tau")
     if speed_line:
         console.print(speed_line, highlight=False)
     mismatches = report.get("greedy_mismatches")

@@ -151,6 +151,16 @@ def _referee(runs: list[PromptRun], target_dir: str, dtype: str, trust_remote_co
     return mismatch_summary([r.mismatch for r in runs], getattr(torch, dtype))
 
 
+def _prompt_runs(sets: list, flat: list, spec: list[dict[str, Any]],
+                 plains: list[dict[str, Any] | None]) -> dict[str, list[PromptRun]]:
+    """Each prompt set's runs from one head engine's records and the plain engine's (None without a baseline)."""
+    runs: dict[str, list[PromptRun]] = {name: [] for name, _ in sets}
+    for (name, pid, ids), s, p in zip(flat, spec, plains):
+        plain = _plain_result(p, p["seconds"]) if p is not None else None
+        runs[name].append(PromptRun(name, pid, len(ids), _spec_result(s, s["seconds"]), plain, prompt_ids=ids))
+    return runs
+
+
 def vllm_reports(
     cfg: EvalConfig, target_name: str, dtype: str, ks: Sequence[int], trust_remote_code: bool = False,
     console: Any = None,
@@ -190,10 +200,7 @@ def vllm_reports(
     }
     reports = {}
     for k in ks:
-        runs: dict[str, list[PromptRun]] = {name: [] for name, _ in sets}
-        for (name, pid, ids), s, p in zip(flat, engines[f"k{k}"]["single"], plains):
-            plain = _plain_result(p, p["seconds"]) if p is not None else None
-            runs[name].append(PromptRun(name, pid, len(ids), _spec_result(s, s["seconds"]), plain, prompt_ids=ids))
+        runs = _prompt_runs(sets, flat, engines[f"k{k}"]["single"], plains)
         all_runs = [r for name, _ in sets for r in runs[name]]
         reports[k] = {
             **common,
@@ -206,7 +213,7 @@ def vllm_reports(
             "prompt_sets": {name: summarize(runs[name], 0.0) for name, _ in sets},
             "overall": summarize(all_runs, 0.0),
             "engine_counts": engines[f"k{k}"].get("single_counts"),  # vLLM's own counters (one head engine)
-            "speed_model": fit_speed_model(speed_points(all_runs), k + 1) if cfg.baseline else None,
+            "speed_model": fit_speed_model(speed_points(all_runs), k + 1),  # a chain of k: k + 1 tokens a step
             "batched": _batched_summary(engines, f"k{k}"),
             "greedy_mismatches": _referee(all_runs, target_dir, dtype, trust_remote_code) if cfg.baseline else None,
             "prompts": [prompt_record(r) for r in all_runs],
@@ -235,7 +242,7 @@ def evaluate_vllm(
 def print_vllm_report(report: dict[str, Any], console: Any) -> None:
     """The HF loop's table plus the batched line and the referee's note."""
     print_report_table(report, console)
-    speed_line = describe(report.get("speed_model"))
+    speed_line = describe(report.get("speed_model"), "chain tau")
     if speed_line:
         console.print(speed_line, highlight=False)
     batched = report.get("batched")

@@ -156,22 +156,22 @@ def _per_prompt_speedup(report: dict[str, Any]) -> str:
 
 
 def _tau_for_2x(report: dict[str, Any], k: int) -> str:
-    """The tau a 2x speedup needs on that machine and hour (eagle.speed_model, fitted on the report's prompts),
-    and the speedup a head whose every draft is accepted would get there."""
+    """The chain tau (comparable with the tau column) at which that row's engine, machine and hour would give 2x,
+    from eagle.speed_model fitted on the report's prompts, and the speedup at tau = k + 1."""
     from eagle.speed_model import fit_speed_model, record_points
 
     model = fit_speed_model(record_points(report.get("prompts", [])), k + 1)
-    if model is None:
+    if model is None or not model["grows_with_tau"]:
         return "-"
-    need = model["tau_for"]["2x"]
-    shown = "out of reach" if need is None or need > k + 1 else f"{need:.2f}"
-    return f"{shown} ({model['speedup_at_max_tau']:.2f}x)"
+    need, se = model["tau_for"]["2x"], model["tau_for_se"]["2x"]
+    shown = "out of reach" if need is None or need > k + 1 else f"{need:.2f} ± {se:.2f}"
+    return f"{shown} ({_fmt(model['speedup_at_top_tau'], '.2f', 'x')})"
 
 
 def render_vllm_table(reports: list[tuple[Path, dict]]) -> str:
     """The exported head inside vLLM (``scripts/vllm_benchmark.py speed``'s JSONs), one row per dtype and k."""
     rows = ["| file | head | dtype | k | vLLM steps | prompts | tau | pos 1 | tok/s plain | tok/s head | speedup "
-            "| per-prompt speedup | batched speedup | output = plain | 2x needs tau (all accepted) |",
+            "| per-prompt speedup | batched speedup | output = plain | tau for 2x (speedup at tau = k + 1) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for path, data in reports:
         if data.get("kind") != "vllm-speed":

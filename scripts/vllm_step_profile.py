@@ -6,13 +6,16 @@
 Both engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), the prompts decoded one at a time with
 the engines taking turns. Wall time is summed over the engine's own methods (the target's forward, the logits and
 sampling, the head's proposal, the rejection sampler, the scheduler), wrapped in place for this run: the names
-are those of vLLM 0.32's V1 engine, and a method another version lacks is left out of the table. Prints ms per
-engine step for each part, writes ``benchmarks/<name>.json``.
+are those of vLLM 0.32's V1 engine, and a method another version lacks is left out of the table. The parts nest
+(a step holds the model runner's execute_model, which holds the forward; sample_tokens holds the sampling and the
+head's proposal), as the table's indentation shows. No device is synchronised: the times are right on a CPU
+only. Prints ms per engine step for each part, writes ``benchmarks/<name>.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import time
@@ -23,19 +26,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# (module, class, method): the parts of one engine step
+RUNNER = "vllm.v1.worker.gpu_model_runner"
+# (nesting level, module, class, method): the parts of one engine step, each inside the last one a level up
 PARTS = (
-    ("vllm.v1.engine.core", "EngineCore", "step"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "execute_model"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_model_forward"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_prepare_inputs"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "sample_tokens"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "_sample"),
-    ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner", "propose_draft_token_ids"),
-    ("vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", "propose"),
-    ("vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward"),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
-    ("vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
+    (0, "vllm.v1.engine.core", "EngineCore", "step"),
+    (1, RUNNER, "GPUModelRunner", "execute_model"),
+    (2, RUNNER, "GPUModelRunner", "_prepare_inputs"),
+    (2, RUNNER, "GPUModelRunner", "_model_forward"),
+    (1, RUNNER, "GPUModelRunner", "sample_tokens"),
+    (2, RUNNER, "GPUModelRunner", "_sample"),
+    (3, "vllm.v1.sample.rejection_sampler", "RejectionSampler", "forward"),
+    (2, RUNNER, "GPUModelRunner", "propose_draft_token_ids"),
+    (3, "vllm.v1.spec_decode.llm_base_proposer", "SpecDecodeBaseProposer", "propose"),
+    (1, "vllm.v1.core.sched.scheduler", "Scheduler", "schedule"),
+    (1, "vllm.v1.core.sched.scheduler", "Scheduler", "update_from_output"),
 )
 
 
@@ -48,8 +52,6 @@ class Clock:
         self.engine: str | None = None
 
     def wrap(self, module: str, cls_name: str, method: str) -> bool:
-        import importlib
-
         cls = getattr(importlib.import_module(module), cls_name, None)
         fn = getattr(cls, method, None) if cls is not None else None
         if fn is None:
@@ -85,7 +87,9 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
     from eagle.vllm_engine import speculative_config
 
     clock = Clock()
-    wrapped = [f"{c}.{m}" for mod, c, m in PARTS if clock.wrap(mod, c, m)]
+    wrapped = [(level, f"{c}.{m}") for level, mod, c, m in PARTS if clock.wrap(mod, c, m)]
+    if not wrapped or wrapped[0][1] != "EngineCore.step":
+        raise SystemExit("this vLLM has no EngineCore.step to count steps by: the profile knows vLLM 0.32's V1 engine")
     target_dir = resolve_target(args.target)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in _prompts(target_dir, args.prompts, args.prompts_per_set)]
     common = dict(model=target_dir, dtype=args.dtype, seed=0, max_model_len=2048)
@@ -121,8 +125,9 @@ def _print(result: dict[str, Any]) -> str:
     lines = [f"{'ms per engine step':48}" + "".join(f"{n:>10}" for n in names)]
     lines.append("-" * len(lines[0]))
     lines.append(f"{'wall (one request at a time)':48}" + "".join(f"{rows[n]['ms_per_step_wall']:10.2f}" for n in names))
-    for label in result["wrapped"]:
-        lines.append(f"{label:48}" + "".join(f"{rows[n]['ms_per_step'].get(label, 0.0):10.2f}" for n in names))
+    for level, label in result["wrapped"]:
+        lines.append(f"{'  ' * level + label:48}" + "".join(f"{rows[n]['ms_per_step'].get(label, 0.0):10.2f}"
+                                                            for n in names))
     lines.append(f"{'tokens per step':48}" + "".join(f"{rows[n]['tokens_per_step']:10.2f}" for n in names))
     lines.append(f"{'tokens/s':48}" + "".join(f"{rows[n]['tokens_per_second']:10.1f}" for n in names))
     text = "\n".join(lines)

@@ -402,7 +402,7 @@ def test_benchmark_table_is_rebuilt_from_all_results(tmp_path):
                "baseline_new_tokens": 96} for tau in (1.2, 1.5, 1.7, 2.0, 2.2, 2.5, 2.8, 3.1, 3.5, 3.9)]
     vllm["rows"], vllm["reports"] = rows[:1], {"float32-k3": {**reports["float32-k3"], "prompts": fitted}}
     (tmp_path / "f.json").write_text(json.dumps(vllm))
-    assert "| 3.00 (2.50x) |" in bench.update_readme(tmp_path).read_text()
+    assert "| 3.00 ± 0.00 (2.50x) |" in bench.update_readme(tmp_path).read_text()
 
 
 def test_time_limit_runs_the_sets_in_turn_and_keeps_a_minimum(tmp_path, target, draft_dir, monkeypatch):
