@@ -37,7 +37,7 @@ from eagle.metrics import PromptRun, print_report_table, prompt_record, summariz
 from eagle.prompts import load_prompt_sets
 from eagle.sampling import Sampling, check_warping
 from eagle.speculate import plain_generate, speculative_generate
-from eagle.speed_model import describe, fit_speed_model, speed_points
+from eagle.speed_model import fit_speed_model, speed_points
 from eagle.tree import TreeConfig, deepest_node, verify_tokens
 from eagle.vllm_engine import VllmConfig
 
@@ -471,9 +471,6 @@ def _write_report(report: dict[str, Any], out: Path, console: Any) -> None:
     report["plots"] = {k: Path(v).name for k, v in plots.items()}
     write_json_atomic(report, out)
     print_report_table(report, console)
-    speed_line = describe(report.get("speed_model"), "chain tau" if report["tree"]["policy"] == "chain" else "tree tau")
-    if speed_line:
-        console.print(speed_line, highlight=False)
     mismatches = report.get("greedy_mismatches")
     note = mismatch_note(mismatches) if mismatches else None
     if note:

@@ -15,6 +15,7 @@ from typing import Any
 
 from eagle.exactness import first_mismatch
 from eagle.speculate import GenerationResult
+from eagle.speed_model import describe
 
 
 @dataclass
@@ -155,7 +156,8 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
 
 
 def print_report_table(report: dict[str, Any], console: Any = None) -> None:
-    """One row per prompt set plus overall: tau mean/median, tokens/s (spec, plain, PLD), speedups, match."""
+    """One row per prompt set plus overall: tau mean/median, tokens/s (spec, plain, PLD), speedups, match; then
+    the tau each speedup goal needs here (eagle.speed_model), when the report has that fit."""
     from rich import box
     from rich.console import Console
     from rich.table import Table
@@ -203,6 +205,9 @@ def print_report_table(report: dict[str, Any], console: Any = None) -> None:
             _fmt(None if s["greedy_match_rate"] is None else 100 * s["greedy_match_rate"], ".0f", "%"),
         )
     console.print(table)
+    speed_line = describe(report.get("speed_model"), "chain tau" if tree["policy"] == "chain" else "tree tau")
+    if speed_line:
+        console.print(speed_line, highlight=False)
 
 
 def versions() -> dict[str, Any]:

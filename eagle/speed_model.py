@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from eagle.metrics import PromptRun
+from typing import Any
 
 GOALS = (1.0, 1.5, 2.0)  # speedups whose tau the report names (1.0: where the head breaks even)
 MIN_PROMPTS = 8  # fewer prompts do not pin a line
@@ -29,8 +26,9 @@ MIN_PROMPTS = 8  # fewer prompts do not pin a line
 Point = tuple[float, float, float]  # (tau, time per token speculative / plain, weight: the plain request's seconds)
 
 
-def speed_points(runs: Sequence[PromptRun]) -> list[Point]:
-    """One point per prompt run with a plain run beside it and at least one verification step."""
+def speed_points(runs: Sequence[Any]) -> list[Point]:
+    """One point per prompt run (eagle.metrics.PromptRun, which imports this module for its table) with a plain run
+    beside it and at least one verification step."""
     points = (_point(r.spec.mean_accept_length, len(r.spec.tokens), r.spec.total_time,
                      len(r.plain.tokens), r.plain.total_time) for r in runs if r.plain is not None)
     return [p for p in points if p is not None]
@@ -71,6 +69,7 @@ def fit_speed_model(points: Sequence[Point], top_tau: float | None,
     sigma2 = residual / (len(points) - 2)
     cov = {"bb": sigma2 / sxx, "ab": -mx * sigma2 / sxx, "aa": sigma2 * (1.0 / total_w + mx * mx / sxx)}
     need = {f"{g:g}x": tau_for(g, a, b) for g in goals}
+    se = {f"{g:g}x": _tau_se(g, a, b, cov) if need[f"{g:g}x"] is not None else None for g in goals}
     return {
         "prompts": len(points),
         "fixed_share": a,
@@ -82,7 +81,7 @@ def fit_speed_model(points: Sequence[Point], top_tau: float | None,
         "top_tau": top_tau,
         "speedup_at_top_tau": speedup_at(top_tau, a, b) if top_tau else None,
         "tau_for": need,
-        "tau_for_se": {k: _tau_se(float(k[:-1]), a, b, cov) if v is not None else None for k, v in need.items()},
+        "tau_for_se": se,
     }
 
 

@@ -34,7 +34,7 @@ from eagle.fileio import write_json_atomic
 from eagle.metrics import PromptRun, print_report_table, prompt_record, summarize, versions
 from eagle.prompts import load_prompt_sets
 from eagle.speculate import GenerationResult
-from eagle.speed_model import describe, fit_speed_model, speed_points
+from eagle.speed_model import fit_speed_model, speed_points
 from eagle.vllm_engine import EngineSpec, Job, accepted_per_position, run_job, speculative_method
 
 PARITY_Z = 4.0  # standard errors vLLM's acceptance may trail the HF loop's at a position before parity fails
@@ -242,9 +242,6 @@ def evaluate_vllm(
 def print_vllm_report(report: dict[str, Any], console: Any) -> None:
     """The HF loop's table plus the batched line and the referee's note."""
     print_report_table(report, console)
-    speed_line = describe(report.get("speed_model"), "chain tau")
-    if speed_line:
-        console.print(speed_line, highlight=False)
     batched = report.get("batched")
     if batched:
         console.print(
