@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eagle.batch_schedule import describe as describe_sweep
 from eagle.fileio import write_text_atomic
 
 CARD_FILE = "README.md"
@@ -138,6 +139,8 @@ def eval_markdown(report: dict[str, Any]) -> str:
     if engine == "vllm":
         lines.append("")
         lines.append("tau here is vLLM's (a chain of `num_speculative_tokens`), speedup over vLLM without the head.")
+        if report.get("batch_sweep"):
+            lines += ["", f"By concurrent requests, {describe_sweep(report['batch_sweep'])}."]
     return "\n".join(lines)
 
 

@@ -40,6 +40,12 @@ class VllmConfig:
 
     num_speculative_tokens: int = 3  # the chain vLLM drafts per step (it has no tree attention)
     batched: bool = True  # also time every prompt submitted at once (throughput), beside one at a time
+    # also time the prompts in groups of each of these many concurrent requests, with the head and without, and
+    # find the batch sizes where the head pays (vLLM's num_speculative_tokens_per_batch_size); [] skips it
+    batch_sizes: list[int] = field(default_factory=list)
+    # serve the head with this schedule, [[first, last, k], ...] by batch size (what a sweep recommends); None: k
+    # drafts at every batch size
+    batch_schedule: list[list[int]] | None = None
     kv_cache_gb: int = 2  # KV-cache memory per engine on a CPU (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.85  # of each GPU, shared by the engines of one job
     tensor_parallel_size: int = 1  # GPUs one engine spans
@@ -61,7 +67,29 @@ class VllmConfig:
                 raise EagleError(f"{where}.{key} must be an integer >= 1, got {value!r}")
         if float(self.timeout_minutes) <= 0:
             raise EagleError(f"{where}.timeout_minutes must be positive, got {self.timeout_minutes}")
+        sizes = self.batch_sizes
+        if not isinstance(sizes, list | tuple) or not all(isinstance(b, int) and b >= 1 for b in sizes):
+            raise EagleError(f"{where}.batch_sizes must be a list of whole numbers >= 1 (concurrent requests), "
+                             f"got {sizes!r}; [] skips the batch-size sweep")
+        if self.batch_schedule is not None:
+            check_schedule(self.batch_schedule, f"{where}.batch_schedule")
         return self
+
+
+def check_schedule(schedule: Any, where: str) -> None:
+    """vLLM's rules for ``num_speculative_tokens_per_batch_size``, checked before an engine starts."""
+    fix = "give [[first, last, k], ...] with inclusive batch-size ranges from 1 upwards, e.g. [[1, 4, 3], [5, 1024, 0]]"
+    entries = schedule if isinstance(schedule, list | tuple) else None
+    if not entries or not all(isinstance(e, list | tuple) and len(e) == 3 and all(isinstance(v, int) for v in e)
+                              for e in entries):
+        raise EagleError(f"{where} must be a non-empty list of [first, last, k] whole numbers, got {schedule!r}: {fix}")
+    end = 0
+    for first, last, k in sorted(entries):
+        starts_right = first == 1 if end == 0 else first > end  # vLLM fills gaps with the k before them
+        if not starts_right or last < first or k < 0:
+            raise EagleError(f"{where}: the range [{first}, {last}, {k}] does not fit (ranges must start at 1, not "
+                             f"overlap, end at or after their start; k >= 0): {fix}")
+        end = last
 
 
 def vllm_version() -> str | None:
@@ -98,12 +126,16 @@ def speculative_method(draft_dir: str | os.PathLike) -> str | None:
     return METHODS[detect_layout(config)]
 
 
-def speculative_config(draft_dir: str | os.PathLike, num_speculative_tokens: int) -> dict[str, Any]:
-    """The ``speculative_config`` that makes vLLM draft with an exported head."""
+def speculative_config(draft_dir: str | os.PathLike, num_speculative_tokens: int,
+                       batch_schedule: list[list[int]] | None = None) -> dict[str, Any]:
+    """The ``speculative_config`` that makes vLLM draft with an exported head (``batch_schedule``: vLLM's
+    ``num_speculative_tokens_per_batch_size``, the drafts per step by batch size)."""
     out: dict[str, Any] = {"model": str(Path(draft_dir).resolve()), "num_speculative_tokens": num_speculative_tokens}
     method = speculative_method(draft_dir)
     if method is not None:
         out["method"] = method
+    if batch_schedule:
+        out["num_speculative_tokens_per_batch_size"] = [list(entry) for entry in batch_schedule]
     return out
 
 
@@ -117,14 +149,15 @@ class EngineSpec:
     name: str
     draft: str | None = None
     num_speculative_tokens: int = 3
+    batch_schedule: list[list[int]] | None = None  # [[first, last, k], ...] by batch size (see speculative_config)
 
 
 @dataclass
 class Job:
     """What a worker does. ``kind`` "decode": greedy decoding of ``prompts`` by every engine, timed one prompt at a
-    time (engines alternating) and, with ``batched``, all at once. ``kind`` "generate": answers for ``prompts``
-    with the first engine, appended as JSON lines to ``answers_path`` chunk by chunk (a killed job resumes), no new
-    chunk started once ``time_limit_s`` is spent."""
+    time (engines alternating), with ``batched`` all at once, and in groups of each of ``vllm.batch_sizes``.
+    ``kind`` "generate": answers for ``prompts`` with the first engine, appended as JSON lines to ``answers_path``
+    chunk by chunk (a killed job resumes), no new chunk started once ``time_limit_s`` is spent."""
 
     kind: str
     target: str

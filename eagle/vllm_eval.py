@@ -5,9 +5,10 @@
 (:mod:`eagle.vllm_engine`), one prompt at a time with the two engines alternating, then every prompt at once. The
 report has the HF loop's schema (per set and overall: tau, per-depth acceptance, tokens/s, speedup, greedy
 match) computed from vLLM's own counts (each request's histogram of accepted drafts per step), plus ``batched``
-(throughput with and without the head) and ``engine: "vllm"``. Greedy differences between the speculative and
-the plain output are refereed by :mod:`eagle.exactness` with the HF target in the same dtype (a near-tie of the
-target's logits, or a bug).
+(throughput with and without the head), ``engine: "vllm"``, and with ``vllm.batch_sizes`` a ``batch_sweep``
+(the same by concurrent requests, and the batch sizes where the head pays: :mod:`eagle.batch_schedule`). Greedy
+differences between the speculative and the plain output are refereed by :mod:`eagle.exactness` with the HF
+target in the same dtype (a near-tie of the target's logits, or a bug).
 
 ``both``: also the HF loop (its tree, and a chain of the same length as vLLM's) on the same prompts in the same
 dtype, and a **parity** check (:func:`parity`): at every draft position vLLM's acceptance rate must not fall below
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 
+from eagle.batch_schedule import describe as describe_sweep
+from eagle.batch_schedule import fit_schedule, sweep_row
 from eagle.errors import CheckFailed, EagleError
 from eagle.evaluate import EvalConfig
 from eagle.exactness import diagnose_mismatch, mismatch_note, mismatch_summary
@@ -137,6 +140,25 @@ def _batched_summary(engines: dict[str, Any], name: str) -> dict[str, Any] | Non
     }
 
 
+def _batch_sweep(engines: dict[str, Any], name: str, k: int,
+                 served_with: list[list[int]] | None = None) -> dict[str, Any] | None:
+    """Tokens/s with the head and without by concurrent requests (batch 1: the one-at-a-time runs), and the
+    batch-size schedule they call for (:mod:`eagle.batch_schedule`), or the one the head was ``served_with``;
+    None without a sweep or a baseline."""
+    if "plain" not in engines or not engines[name].get("sweep"):
+        return None
+    spec, plain = engines[name], engines["plain"]
+    by_size = {1: ({"requests": spec["single"], "seconds": sum(r["seconds"] for r in spec["single"])},
+                   {"requests": plain["single"], "seconds": sum(r["seconds"] for r in plain["single"])})}
+    by_size.update({int(b): (run, plain["sweep"][b]) for b, run in spec["sweep"].items()})
+    rows = []
+    for b, (s, p) in sorted(by_size.items()):
+        matches = [x["tokens"] == y["tokens"] for x, y in zip(s["requests"], p["requests"])]
+        rows.append(sweep_row(b, sum(len(x["tokens"]) for x in s["requests"]), s["seconds"],
+                              sum(len(y["tokens"]) for y in p["requests"]), p["seconds"], matches))
+    return fit_schedule(rows, k, served_with)
+
+
 def _referee(runs: list[PromptRun], target_dir: str, dtype: str, trust_remote_code: bool) -> dict[str, Any]:
     """Near-tie or bug for every prompt whose speculative output differs from plain (HF target, same dtype)."""
     differing = [r for r in runs if r.spec.tokens != r.plain.tokens]
@@ -184,7 +206,8 @@ def vllm_reports(
     flat = [(name, pid, ids) for name, prompts in sets for pid, ids in prompts]
     job = Job(
         kind="decode", target=target_dir, dtype=dtype,
-        engines=[EngineSpec(f"k{k}", draft, k) for k in ks] + ([EngineSpec("plain")] if cfg.baseline else []),
+        engines=[EngineSpec(f"k{k}", draft, k, cfg.vllm.batch_schedule) for k in ks]
+        + ([EngineSpec("plain")] if cfg.baseline else []),
         prompts=[ids for _, _, ids in flat], max_new_tokens=cfg.max_new_tokens, stop_token_ids=eos,
         max_model_len=_max_model_len(target_dir, max(len(ids) for *_, ids in flat), cfg.max_new_tokens, max(ks)),
         vllm=cfg.vllm, seed=cfg.seed, warmup=cfg.warmup, trust_remote_code=trust_remote_code,
@@ -215,6 +238,7 @@ def vllm_reports(
             "engine_counts": engines[f"k{k}"].get("single_counts"),  # vLLM's own counters (one head engine)
             "speed_model": fit_speed_model(speed_points(all_runs), k + 1),  # a chain of k: k + 1 tokens a step
             "batched": _batched_summary(engines, f"k{k}"),
+            "batch_sweep": _batch_sweep(engines, f"k{k}", k, cfg.vllm.batch_schedule),
             "greedy_mismatches": _referee(all_runs, target_dir, dtype, trust_remote_code) if cfg.baseline else None,
             "prompts": [prompt_record(r) for r in all_runs],
         }
@@ -250,6 +274,8 @@ def print_vllm_report(report: dict[str, Any], console: Any) -> None:
             f"tau {batched['acceptance_length_mean'] or 0:.2f}",
             highlight=False,
         )
+    if report.get("batch_sweep"):
+        console.print(f"vLLM {describe_sweep(report['batch_sweep'])}", highlight=False)
     note = mismatch_note(report["greedy_mismatches"]) if report.get("greedy_mismatches") else None
     if note:
         console.print(note)

@@ -37,7 +37,7 @@ def build_engine(job: Job, engine: EngineSpec, share: int) -> Any:
         disable_log_stats=False,  # the spec-decode counters are kept only with stats on
     )
     if engine.draft is not None:
-        spec = speculative_config(engine.draft, engine.num_speculative_tokens)
+        spec = speculative_config(engine.draft, engine.num_speculative_tokens, engine.batch_schedule)
         if "method" not in spec:  # a speculators folder is served as such: it names its target (the verifier)
             kwargs["model"] = spec.pop("model")
         kwargs["speculative_config"] = spec
@@ -97,8 +97,27 @@ def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     return {"per_position": pos, **{k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}}
 
 
+def _sweep(job: Job, engines: dict[str, Any], prompts: list[Any], sampling: Any) -> dict[str, dict[str, Any]]:
+    """Per engine and batch size b > 1 of ``job.vllm.batch_sizes``: the prompts in groups of b (whole groups
+    only), each group submitted at once, the engines taking turns group by group."""
+    names = [e.name for e in job.engines]
+    out: dict[str, dict[str, Any]] = {name: {} for name in names}
+    for b in sorted({b for b in job.vllm.batch_sizes if 1 < b <= len(prompts)}):
+        runs = {name: {"seconds": 0.0, "requests": []} for name in names}
+        for g, start in enumerate(range(0, len(prompts) - b + 1, b)):
+            for name in names[g % len(names):] + names[: g % len(names)]:
+                t0 = time.perf_counter()
+                outs = engines[name].generate(prompts[start : start + b], sampling, use_tqdm=False)
+                runs[name]["seconds"] += time.perf_counter() - t0
+                runs[name]["requests"] += [_record(o) for o in outs]
+        for name in names:
+            out[name][str(b)] = runs[name]
+    return out
+
+
 def decode(job: Job) -> dict[str, Any]:
-    """Greedy decoding of every prompt by every engine: one at a time (alternating), then batched."""
+    """Greedy decoding of every prompt by every engine: one at a time (alternating), then batched, then in
+    groups of each batch size of the sweep."""
     from vllm.inputs import TokensPrompt
 
     prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in job.prompts]
@@ -140,6 +159,9 @@ def decode(job: Job) -> dict[str, Any]:
                 "requests": [_record(o) for o in outs],
                 "counts": _delta(_counts(llm), middle[name]) if name in counted else None,
             }
+    if job.vllm.batch_sizes:
+        for name, by_size in _sweep(job, engines, prompts, sampling).items():
+            result["engines"][name]["sweep"] = by_size
     return result
 
 

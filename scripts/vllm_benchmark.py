@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""An exported head inside vLLM: speed per dtype and chain length, and parity with our loop per export layout.
+"""An exported head inside vLLM: speed per dtype, chain length and batch size, and parity with our loop per layout.
 
     python scripts/vllm_benchmark.py speed --draft runs/demo/export --dtypes bfloat16 float32 --k 2 3 4 5 6
     python scripts/vllm_benchmark.py parity --draft eagle3=runs/demo/export speculators=DIR eagle1=DIR
@@ -12,6 +12,12 @@ PNG of tokens/s and tau against k.
 ``parity``: for every export, vLLM (chain of ``--k``) and our HF loop (a chain of the same length, the head in
 the target's dtype) on the same prompts; per-position acceptance side by side and the parity verdict
 (eagle.vllm_eval.parity). Exit status 1 when any layout fails.
+
+    python scripts/vllm_benchmark.py schedule --draft runs/demo/export --dtypes float32 --batch-sizes 1 2 4 8 16
+
+``schedule``: tokens/s with the head and without by concurrent requests (the prompts in groups of each batch
+size), the batch-size schedule that keeps the head where it pays (eagle.batch_schedule), and the head served
+with that schedule over the same batch sizes. Table, ``benchmarks/<name>.json`` and a PNG of speedup by batch size.
 """
 
 from __future__ import annotations
@@ -113,6 +119,87 @@ def speed(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schedule_rows(dtype: str, fixed: dict[str, Any], scheduled: dict[str, Any] | None) -> list[dict[str, Any]]:
+    served = {r["batch_size"]: r for r in (scheduled or {}).get("rows", [])}
+    return [{"dtype": dtype, "batch_size": r["batch_size"], "tok_s_head": r["tokens_per_second"],
+             "tok_s_plain": r["baseline_tokens_per_second"], "speedup": r["speedup"],
+             "tok_s_scheduled": served.get(r["batch_size"], {}).get("tokens_per_second"),
+             "tok_s_plain_beside_scheduled": served.get(r["batch_size"], {}).get("baseline_tokens_per_second"),
+             "speedup_scheduled": served.get(r["batch_size"], {}).get("speedup"),
+             "greedy_match_rate": r["greedy_match_rate"],
+             "greedy_match_rate_scheduled": served.get(r["batch_size"], {}).get("greedy_match_rate")}
+            for r in fixed["rows"]]
+
+
+def _print_schedule(rows: list[dict[str, Any]], schedules: dict[str, Any]) -> str:
+    head = (f"{'dtype':9} {'batch':>5} {'tok/s head':>10} {'tok/s plain':>11} {'speedup':>7} "
+            f"{'scheduled':>9} {'speedup':>7} {'match':>6}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        sched = r["speedup_scheduled"]
+        lines.append(
+            f"{r['dtype']:9} {r['batch_size']:>5} {r['tok_s_head']:10.1f} {r['tok_s_plain']:11.1f} "
+            f"{r['speedup']:6.2f}x {r['tok_s_scheduled'] or 0:9.1f} "
+            f"{'' if sched is None else f'{sched:6.2f}x':>7} {100 * (r['greedy_match_rate'] or 0):5.0f}%")
+    lines += [f"{dtype}: {schedule}" for dtype, schedule in schedules.items()]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+def _plot_schedule(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for dtype in sorted({r["dtype"] for r in rows}):
+        mine = [r for r in rows if r["dtype"] == dtype]
+        sizes = [r["batch_size"] for r in mine]
+        ax.plot(sizes, [r["speedup"] for r in mine], "o-", label=f"{dtype}, head at every batch size")
+        if any(r["speedup_scheduled"] for r in mine):
+            ax.plot(sizes, [r["speedup_scheduled"] for r in mine], "s--", label=f"{dtype}, with the schedule")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="concurrent requests", ylabel="tokens/s over vLLM without the head",
+           title="vLLM with the exported head, by batch size")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def schedule_cmd(args: argparse.Namespace) -> int:
+    """Per dtype: the sweep by concurrent requests and the schedule it recommends; then the head served with that
+    schedule over the same batch sizes (each run timed against plain vLLM in its own worker)."""
+    from eagle.vllm_eval import vllm_reports
+
+    k = args.k[0]
+    rows, reports, schedules = [], {}, {}
+    for dtype in args.dtypes:
+        cfg = _cfg(args, args.draft, str(ROOT / "runs" / "vllm-benchmark" / "unused.json"))
+        cfg.vllm = replace(cfg.vllm, num_speculative_tokens=k, batch_sizes=list(args.batch_sizes), batched=False)
+        fixed = vllm_reports(cfg, args.target, dtype, [k])[k]
+        reports[f"{dtype}-k{k}"] = fixed
+        schedules[dtype] = fixed["batch_sweep"]["schedule"]
+        scheduled = None
+        if schedules[dtype]:
+            cfg.vllm = replace(cfg.vllm, batch_schedule=schedules[dtype])
+            reports[f"{dtype}-k{k}-scheduled"] = vllm_reports(cfg, args.target, dtype, [k])[k]
+            scheduled = reports[f"{dtype}-k{k}-scheduled"]["batch_sweep"]
+        rows += _schedule_rows(dtype, fixed["batch_sweep"], scheduled)
+    table = _print_schedule(rows, schedules)
+    name = args.name or f"{datetime.date.today()}-vllm-batch-schedule"
+    out = ROOT / "benchmarks" / f"{name}.json"
+    write_json_atomic({"kind": "vllm-batch-schedule", "command": " ".join(sys.argv), "draft": args.draft,
+                       "target": args.target, "k": k, "schedules": schedules, "rows": rows, "table": table,
+                       "reports": reports}, out)
+    _plot_schedule(rows, ROOT / "benchmarks" / "vllm" / f"{name}.png")
+    print(f"wrote {out}")
+    return 0
+
+
 def parity_cmd(args: argparse.Namespace) -> int:
     from eagle.evaluate import evaluate
     from eagle.targets import load_target
@@ -149,7 +236,7 @@ def parity_cmd(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("speed", "parity"):
+    for name in ("speed", "parity", "schedule"):
         p = sub.add_parser(name)
         p.add_argument("--target", default="smollm2-135m-instruct")
         p.add_argument("--prompts", nargs="+", default=["dev-chat", "dev-code"])
@@ -163,8 +250,11 @@ def main() -> int:
     sub.choices["speed"].add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
     sub.choices["parity"].add_argument("--draft", nargs="+", required=True, help="LAYOUT=DIR ...")
     sub.choices["parity"].add_argument("--dtype", default="float32")
+    sub.choices["schedule"].add_argument("--draft", required=True)
+    sub.choices["schedule"].add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
+    sub.choices["schedule"].add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     args = parser.parse_args()
-    return speed(args) if args.command == "speed" else parity_cmd(args)
+    return {"speed": speed, "parity": parity_cmd, "schedule": schedule_cmd}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -396,5 +396,13 @@ def test_eval_fills_in_the_cards_evaluation_section(tmp_path, target):
     card = (out / "README.md").read_text()
     assert "| dev-chat | 4 | 2.50 | 1.75 | 1.40x | 100% |" in card and "Not evaluated yet" not in card
     assert card.count("## Serving") == 1
+    # a vLLM report with a batch-size sweep: the card says where the head pays and the schedule to serve it with
+    from eagle.batch_schedule import fit_schedule, sweep_row
+
+    rows = [sweep_row(b, int(100 * x), 1.0, 100, 1.0, [True]) for b, x in ((1, 1.5), (2, 1.2), (4, 0.8))]
+    vllm = {**report, "engine": "vllm", "tree": {"policy": "chain", "depth": 3}, "batch_sweep": fit_schedule(rows, 3)}
+    assert update_eval_section(out, vllm)
+    card = (out / "README.md").read_text()
+    assert "up to 2 requests at once" in card and '"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 1024, 0]]' in card
     (out / "README.md").write_text("# someone else's card\n")
     assert not update_eval_section(out, report)  # not ours: left alone

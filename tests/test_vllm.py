@@ -39,7 +39,8 @@ def eval_cfg(smollm2_head, tmp_path_factory):
 def vllm_fp32(eval_cfg):
     from eagle.vllm_eval import evaluate_vllm
 
-    return evaluate_vllm(eval_cfg, "smollm2-135m-instruct", "float32")
+    swept = replace(eval_cfg, vllm=replace(eval_cfg.vllm, batch_sizes=[4]))  # and in groups of 4 requests
+    return evaluate_vllm(swept, "smollm2-135m-instruct", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,30 @@ def test_vllm_serves_the_export_and_matches_plain_decoding_in_fp32(vllm_fp32):
     model = vllm_fp32["speed_model"]  # what tau a speedup needs on this machine, from the same prompts
     assert model["prompts"] == 2 * PROMPTS and model["top_tau"] == vllm_fp32["settings"]["num_speculative_tokens"] + 1
     assert set(model["tau_for"]) == {"1x", "1.5x", "2x"}
+    sweep = vllm_fp32["batch_sweep"]  # tokens/s with and without the head by concurrent requests
+    assert [r["batch_size"] for r in sweep["rows"]] == [1, 4]
+    assert [r["requests"] for r in sweep["rows"]] == [2 * PROMPTS] * 2
+    assert all(r["greedy_match_rate"] == 1.0 and r["tokens_per_second"] > 0 for r in sweep["rows"])
+
+
+def test_vllm_follows_the_batch_schedule_we_write(eval_cfg):
+    """Our ``num_speculative_tokens_per_batch_size`` (head on at batch 1, off from 2): vLLM drafts for requests
+    one at a time, (almost) none for four at once, and the output is the same either way."""
+    from eagle.prompts import load_prompt_sets
+    from eagle.targets import load_tokenizer, resolve_target
+    from eagle.vllm_engine import EngineSpec, Job, run_job
+
+    target = resolve_target("smollm2-135m-instruct")
+    (_, chat), = load_prompt_sets(["dev-chat"], load_tokenizer(target), 4)
+    prompts = [ids for _, ids in chat]
+    engine = EngineSpec("scheduled", eval_cfg.draft, 3, batch_schedule=[[1, 1, 3], [2, 1024, 0]])
+    job = Job(kind="decode", target=target, dtype="float32", engines=[engine], prompts=prompts, max_new_tokens=24,
+              stop_token_ids=[], max_model_len=1024, vllm=eval_cfg.vllm)
+    result = run_job(job, "schedule test")["engines"]["scheduled"]
+    assert result["single_counts"]["drafts"] > 0  # one request at a time: the head drafts
+    # four at once: it does not (but for a step or two run before the other requests reached the engine)
+    assert result["batched"]["counts"]["drafts"] <= 2 < result["single_counts"]["drafts"] / 4
+    assert [r["tokens"] for r in result["batched"]["requests"]] == [r["tokens"] for r in result["single"]]
 
 
 def test_parity_with_our_loop_and_a_broken_export_fails_it(eval_cfg, vllm_fp32, hf_fp32, tmp_path):

@@ -6,9 +6,11 @@ import json
 
 import pytest
 
+from eagle.batch_schedule import MAX_BATCH, fit_schedule, sweep_row
+from eagle.batch_schedule import describe as describe_sweep
 from eagle.errors import EagleError
 from eagle.vllm_engine import VllmConfig, accepted_per_position, merge_parts, speculative_config
-from eagle.vllm_eval import SUSPECT_FIELDS, parity, parity_message
+from eagle.vllm_eval import SUSPECT_FIELDS, _batch_sweep, parity, parity_message
 
 
 def _reports(hf: list[int], hf_steps: int, vllm: list[int], vllm_steps: int,
@@ -84,6 +86,67 @@ def test_vllm_config_is_checked_by_name():
         VllmConfig(data_parallel_size=0).validate("data.vllm")
     with pytest.raises(EagleError, match="kv_cache_gb"):
         VllmConfig(kv_cache_gb=0.5).validate()
+    with pytest.raises(EagleError, match="eval.vllm.batch_sizes"):
+        VllmConfig(batch_sizes=[1, 0]).validate("eval.vllm")
+
+
+def _row(b: int, speedup: float) -> dict:
+    return sweep_row(b, tokens=int(100 * speedup), seconds=1.0, base_tokens=100, base_seconds=1.0, matches=[True])
+
+
+def test_batch_schedule_keeps_the_head_up_to_the_last_size_measured_faster():
+    sweep = fit_schedule([_row(8, 0.8), _row(1, 1.5), _row(4, 1.05), _row(2, 1.3), _row(16, 1.2)], k=3)
+    # off from the first slower size on, even if a larger one measured faster again (noise, not a regime)
+    assert sweep["pays_up_to"] == 4 and sweep["first_slower"] == 8
+    assert sweep["schedule"] == [[1, 4, 3], [5, MAX_BATCH, 0]]
+    assert "[[1, 4, 3], [5, 1024, 0]]" in describe_sweep(sweep)
+    # vLLM's own rules for the schedule: starts at 1, ranges ascending and disjoint, k >= 0
+    (a, b, k_on), (c, d, k_off) = sweep["schedule"]
+    assert a == 1 and a <= b < c <= d and k_on == 3 and k_off == 0
+    VllmConfig(batch_schedule=sweep["schedule"]).validate()
+    # measured with a schedule already: the rows check that one, no new one is fitted from them
+    checked = fit_schedule([_row(1, 1.5), _row(8, 0.99)], k=3, served_with=sweep["schedule"])
+    assert checked["schedule"] is None and "served with the schedule [[1, 4, 3]" in describe_sweep(checked)
+
+
+@pytest.mark.parametrize("schedule, problem", [
+    ([[2, 4, 3]], "start at 1"), ([[1, 4, 3], [3, 8, 0]], "overlap"), ([[1, 4, -1]], "k >= 0"),
+    ([[1, 4]], "[first, last, k]"), ([], "non-empty"), ([[1, 4, 3], [6, 2, 0]], "end at or after"),
+])
+def test_a_batch_schedule_vllm_would_refuse_is_refused_by_name(schedule, problem):
+    with pytest.raises(EagleError, match="eval.vllm.batch_schedule") as err:
+        VllmConfig(batch_schedule=schedule).validate("eval.vllm")
+    assert problem in str(err.value) and "[[1, 4, 3], [5, 1024, 0]]" in str(err.value)
+
+
+def test_batch_schedule_is_none_when_the_head_always_or_never_pays():
+    always = fit_schedule([_row(1, 1.4), _row(4, 1.1)], k=2)
+    assert always["schedule"] is None and always["pays_up_to"] == 4 and "every batch size" in describe_sweep(always)
+    never = fit_schedule([_row(1, 0.9), _row(4, 0.7)], k=2)
+    assert never["schedule"] is None and never["pays_up_to"] == 0 and "slower already" in describe_sweep(never)
+
+
+def test_batch_sweep_from_worker_records():
+    def runs(tokens_each: int, seconds: float, n: int) -> dict:
+        return {"seconds": seconds, "requests": [{"tokens": list(range(tokens_each))} for _ in range(n)]}
+
+    single = [{"tokens": list(range(10)), "seconds": 1.0} for _ in range(4)]
+    plain_single = [{"tokens": list(range(10)), "seconds": 2.0} for _ in range(4)]
+    engines = {"k3": {"single": single, "sweep": {"2": runs(10, 2.0, 4), "4": runs(10, 3.0, 4)}},
+               "plain": {"single": plain_single, "sweep": {"2": runs(10, 3.0, 4), "4": runs(10, 2.0, 4)}}}
+    sweep = _batch_sweep(engines, "k3", 3)
+    assert [r["batch_size"] for r in sweep["rows"]] == [1, 2, 4]
+    assert [round(r["speedup"], 3) for r in sweep["rows"]] == [2.0, 1.5, 0.667]
+    assert sweep["rows"][0]["tokens_per_second"] == 10.0 and sweep["rows"][1]["greedy_match_rate"] == 1.0
+    assert sweep["schedule"] == [[1, 2, 3], [3, MAX_BATCH, 0]]
+    assert _batch_sweep({"k3": engines["k3"]}, "k3", 3) is None  # no baseline, no sweep
+
+
+def test_speculative_config_carries_a_batch_schedule(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    spec = speculative_config(tmp_path, 3, [[1, 4, 3], [5, 1024, 0]])
+    assert spec["num_speculative_tokens_per_batch_size"] == [[1, 4, 3], [5, 1024, 0]]
+    assert "num_speculative_tokens_per_batch_size" not in speculative_config(tmp_path, 3)
 
 
 def test_speculative_config_follows_the_export_layout(tmp_path):

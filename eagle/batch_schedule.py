@@ -1,0 +1,63 @@
+"""Where a draft head pays in a batching engine, and the per-batch-size schedule that keeps it only there.
+
+A speculative step verifies k + 1 tokens per request. At batch 1 the target's forward is bound by reading its
+weights, so the extra tokens cost little and every accepted draft is a step saved. With many concurrent
+requests the forward becomes bound by compute, each extra token costs almost as much as a step, and the same head
+slows the engine down. vLLM takes a schedule of drafts per step by batch size
+(``num_speculative_tokens_per_batch_size``: inclusive ranges ``[first, last, k]``); this module turns a measured
+sweep (tokens/s with the head and without at a few batch sizes) into one: the head on (k) from batch 1 up to the
+largest measured size before the first where it was slower, off (0) above. Sizes between two measured ones are
+not known, so the edge is the last size measured faster.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MAX_BATCH = 1024  # the "off" range's end: vLLM clips the schedule to its own max_num_seqs and carries the last k on
+
+
+def sweep_row(batch_size: int, tokens: int, seconds: float, base_tokens: int, base_seconds: float,
+              matches: list[bool]) -> dict[str, Any]:
+    """One measured batch size: pooled tokens/s with the head and without, their ratio, outputs equal to plain."""
+    tps, base = tokens / seconds, base_tokens / base_seconds
+    return {"batch_size": batch_size, "tokens_per_second": tps, "baseline_tokens_per_second": base,
+            "speedup": tps / base, "requests": len(matches),
+            "greedy_match_rate": sum(matches) / len(matches) if matches else None}
+
+
+def fit_schedule(rows: list[dict[str, Any]], k: int, served_with: list[list[int]] | None = None) -> dict[str, Any]:
+    """The schedule for ``rows`` (one per batch size, any order) of a head drafting ``k`` tokens a step.
+
+    ``schedule`` is None when no switch is needed or none helps: the head was faster at every size measured
+    (``pays_up_to`` the largest), or slower already at the smallest (``pays_up_to`` 0); and when the head was
+    measured ``served_with`` a schedule already (then the rows check that one)."""
+    rows = sorted(rows, key=lambda r: r["batch_size"])
+    if not rows:
+        raise ValueError("fit_schedule needs at least one measured batch size")
+    pays_up_to, first_slower = 0, None
+    for r in rows:
+        if r["speedup"] < 1.0:
+            first_slower = r["batch_size"]
+            break
+        pays_up_to = r["batch_size"]
+    schedule = None
+    if pays_up_to and first_slower is not None and not served_with:
+        schedule = [[1, pays_up_to, k], [pays_up_to + 1, max(MAX_BATCH, pays_up_to + 1), 0]]
+    return {"rows": rows, "num_speculative_tokens": k, "pays_up_to": pays_up_to, "first_slower": first_slower,
+            "measured_up_to": rows[-1]["batch_size"], "schedule": schedule, "served_with": served_with}
+
+
+def describe(sweep: dict[str, Any]) -> str:
+    """One or two lines: speedup per batch size, and the schedule to serve with (or why there is none)."""
+    speeds = ", ".join(f"{r['batch_size']}: {r['speedup']:.2f}x" for r in sweep["rows"])
+    line = f"speedup by concurrent requests ({speeds})"
+    if sweep.get("served_with"):
+        return f"{line}, the head served with the schedule {sweep['served_with']}"
+    if sweep["schedule"]:
+        return (f"{line}; the head pays up to {sweep['pays_up_to']} requests at once (slower at "
+                f"{sweep['first_slower']}): serve with \"num_speculative_tokens_per_batch_size\": "
+                f"{sweep['schedule']} in the speculative config")
+    if sweep["pays_up_to"]:
+        return f"{line}; the head pays at every batch size measured (up to {sweep['measured_up_to']})"
+    return f"{line}; the head is slower already at {sweep['rows'][0]['batch_size']} request(s) at once here"
