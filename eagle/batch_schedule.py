@@ -7,7 +7,9 @@ slows the engine down. vLLM takes a schedule of drafts per step by batch size
 (``num_speculative_tokens_per_batch_size``: inclusive ranges ``[first, last, k]``); this module turns a measured
 sweep (tokens/s with the head and without at a few batch sizes) into one: the head on (k) from batch 1 up to the
 largest measured size before the first where it was slower, off (0) above. Sizes between two measured ones are
-not known, so the edge is the last size measured faster.
+not known, so the edge is the last size measured faster. "Off" is not free: vLLM still runs the head once a step
+over the new tokens, to keep its KV cache current for when drafting resumes, so above the edge the engine stays
+somewhat slower than without the head; ``eval.vllm.batch_schedule`` measures how much.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def describe(sweep: dict[str, Any]) -> str:
     if sweep["schedule"]:
         return (f"{line}; the head pays up to {sweep['pays_up_to']} requests at once (slower at "
                 f"{sweep['first_slower']}): serve with \"num_speculative_tokens_per_batch_size\": "
-                f"{sweep['schedule']} in the speculative config")
+                f"{sweep['schedule']} in the speculative config (above that vLLM still runs the head once a step, "
+                "without drafting: eval.vllm.batch_schedule measures what that costs)")
     if sweep["pays_up_to"]:
         return f"{line}; the head pays at every batch size measured (up to {sweep['measured_up_to']})"
     return f"{line}; the head is slower already at {sweep['rows'][0]['batch_size']} request(s) at once here"

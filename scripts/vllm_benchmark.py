@@ -173,10 +173,13 @@ def _plot_schedule(rows: list[dict[str, Any]], path: Path) -> None:
 def schedule_cmd(args: argparse.Namespace) -> int:
     """Per dtype: the sweep by concurrent requests and the schedule it recommends; then the head served with that
     schedule over the same batch sizes (each run timed against plain vLLM in its own worker)."""
+    from eagle.errors import EagleError
     from eagle.vllm_eval import vllm_reports
 
     k = args.k[0]
-    rows, reports, schedules = [], {}, {}
+    rows, reports, schedules, failures = [], {}, {}, {}
+    name = args.name or f"{datetime.date.today()}-vllm-batch-schedule"
+    out = ROOT / "benchmarks" / f"{name}.json"
     for dtype in args.dtypes:
         cfg = _cfg(args, args.draft, str(ROOT / "runs" / "vllm-benchmark" / "unused.json"))
         cfg.vllm = replace(cfg.vllm, num_speculative_tokens=k, batch_sizes=list(args.batch_sizes), batched=False)
@@ -184,17 +187,21 @@ def schedule_cmd(args: argparse.Namespace) -> int:
         reports[f"{dtype}-k{k}"] = fixed
         schedules[dtype] = fixed["batch_sweep"]["schedule"]
         scheduled = None
-        if schedules[dtype]:
-            cfg.vllm = replace(cfg.vllm, batch_schedule=schedules[dtype])
-            reports[f"{dtype}-k{k}-scheduled"] = vllm_reports(cfg, args.target, dtype, [k])[k]
-            scheduled = reports[f"{dtype}-k{k}-scheduled"]["batch_sweep"]
+        for attempt in range(2 if schedules[dtype] else 0):  # an engine start that failed once is tried again
+            try:
+                served = replace(cfg, vllm=replace(cfg.vllm, batch_schedule=schedules[dtype]))
+                reports[f"{dtype}-k{k}-scheduled"] = vllm_reports(served, args.target, dtype, [k])[k]
+                scheduled = reports[f"{dtype}-k{k}-scheduled"]["batch_sweep"]
+                break
+            except EagleError as e:
+                failures[f"{dtype}-scheduled-attempt{attempt + 1}"] = str(e)[:2000]
+                print(f"{dtype}: the run with the schedule failed (attempt {attempt + 1}): {str(e)[:300]}")
         rows += _schedule_rows(dtype, fixed["batch_sweep"], scheduled)
-    table = _print_schedule(rows, schedules)
-    name = args.name or f"{datetime.date.today()}-vllm-batch-schedule"
-    out = ROOT / "benchmarks" / f"{name}.json"
-    write_json_atomic({"kind": "vllm-batch-schedule", "command": " ".join(sys.argv), "draft": args.draft,
-                       "target": args.target, "k": k, "schedules": schedules, "rows": rows, "table": table,
-                       "reports": reports}, out)
+        table = _print_schedule(rows, schedules)
+        # written after every dtype: a later failure keeps what was measured
+        write_json_atomic({"kind": "vllm-batch-schedule", "command": " ".join(sys.argv), "draft": args.draft,
+                           "target": args.target, "k": k, "schedules": schedules, "rows": rows, "table": table,
+                           "failures": failures, "reports": reports}, out)
     _plot_schedule(rows, ROOT / "benchmarks" / "vllm" / f"{name}.png")
     print(f"wrote {out}")
     return 0
