@@ -28,6 +28,7 @@ BENCH_DIR = ROOT / "benchmarks"
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 REGEN_START, REGEN_END = "<!-- regen:start -->", "<!-- regen:end -->"
 VLLM_START, VLLM_END = "<!-- vllm:start -->", "<!-- vllm:end -->"
+BATCH_START, BATCH_END = "<!-- vllm-batch:start -->", "<!-- vllm-batch:end -->"
 README_HEAD = f"""# Benchmarks
 
 Speculative decoding with trained draft heads on the public development set: `dev-chat` (40 chitchat
@@ -194,6 +195,23 @@ def render_vllm_table(reports: list[tuple[Path, dict]]) -> str:
     return "\n".join(rows)
 
 
+def render_batch_table(reports: list[tuple[Path, dict]]) -> str:
+    """The head in vLLM by concurrent requests (``scripts/vllm_benchmark.py schedule``'s JSONs)."""
+    rows = ["| file | head | dtype | k | requests at once | tok/s plain | tok/s head | speedup | schedule found "
+            "| with the schedule | output = plain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path, data in reports:
+        if data.get("kind") != "vllm-batch-schedule":
+            continue
+        for row in data["rows"]:
+            rows.append(
+                f"| {path.stem} | `{data['draft']}` | {row['dtype']} | {data['k']} | {row['batch_size']} "
+                f"| {row['tok_s_plain']:.1f} | {row['tok_s_head']:.1f} | {row['speedup']:.2f}x "
+                f"| `{data['schedules'].get(row['dtype'])}` | {_fmt(row['speedup_scheduled'], '.2f', 'x')} "
+                f"| {_fmt(100 * row['greedy_match_rate'], '.0f', '%')} |"
+            )
+    return "\n".join(rows)
+
+
 def _replace_between(text: str, start: str, end: str, body: str, title: str) -> str:
     if start not in text or end not in text:
         text = text.rstrip("\n") + f"\n\n## {title}\n\n{start}\n{end}\n"
@@ -213,6 +231,8 @@ def update_readme(bench_dir: Path) -> Path:
                             "Regeneration throughput (`scripts/regen_benchmark.py`)")
     text = _replace_between(text, VLLM_START, VLLM_END, render_vllm_table(reports),
                             "The head inside vLLM (`scripts/vllm_benchmark.py speed`)")
+    text = _replace_between(text, BATCH_START, BATCH_END, render_batch_table(reports),
+                            "The head inside vLLM by batch size (`scripts/vllm_benchmark.py schedule`)")
     write_text_atomic(text, readme)
     return readme
 
