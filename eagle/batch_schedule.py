@@ -7,7 +7,8 @@ slows the engine down. vLLM takes a schedule of drafts per step by batch size
 (``num_speculative_tokens_per_batch_size``: inclusive ranges ``[first, last, k]``); this module turns a measured
 sweep (tokens/s with the head and without at a few batch sizes) into one: the head on (k) from batch 1 up to the
 largest measured size before the first where it was slower, off (0) above. Sizes between two measured ones are
-not known, so the edge is the last size measured faster. "Off" is not free: vLLM still runs the head once a step
+not known, so the edge is the last size measured faster; near the edge the speedup is close to 1 and one run's
+noise can move it by a size. "Off" is not free: vLLM still runs the head once a step
 over the new tokens, to keep its KV cache current for when drafting resumes, so above the edge the engine stays
 somewhat slower than without the head; ``eval.vllm.batch_schedule`` measures how much.
 """

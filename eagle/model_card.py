@@ -140,7 +140,8 @@ def eval_markdown(report: dict[str, Any]) -> str:
         lines.append("")
         lines.append("tau here is vLLM's (a chain of `num_speculative_tokens`), speedup over vLLM without the head.")
         if report.get("batch_sweep"):
-            lines += ["", f"By concurrent requests, {describe_sweep(report['batch_sweep'])}."]
+            text = describe_sweep(report["batch_sweep"])
+            lines += ["", f"{text[0].upper()}{text[1:]}."]
     return "\n".join(lines)
 
 

@@ -40,11 +40,12 @@ class VllmConfig:
 
     num_speculative_tokens: int = 3  # the chain vLLM drafts per step (it has no tree attention)
     batched: bool = True  # also time every prompt submitted at once (throughput), beside one at a time
-    # also time the prompts in groups of each of these many concurrent requests, with the head and without, and
-    # find the batch sizes where the head pays (vLLM's num_speculative_tokens_per_batch_size); [] skips it
+    # eval only: also time the prompts in groups of each of these many concurrent requests, with the head and
+    # without, and find the batch sizes where the head pays (vLLM's num_speculative_tokens_per_batch_size); batch
+    # 1 is always the one-at-a-time run; [] skips it
     batch_sizes: list[int] = field(default_factory=list)
-    # serve the head with this schedule, [[first, last, k], ...] by batch size (what a sweep recommends); None: k
-    # drafts at every batch size
+    # eval only: serve the head with this schedule, [[first, last, k], ...] by batch size (what a sweep
+    # recommends), k = num_speculative_tokens from batch 1; None: k drafts at every batch size
     batch_schedule: list[list[int]] | None = None
     kv_cache_gb: int = 2  # KV-cache memory per engine on a CPU (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.85  # of each GPU, shared by the engines of one job
@@ -72,23 +73,29 @@ class VllmConfig:
             raise EagleError(f"{where}.batch_sizes must be a list of whole numbers >= 1 (concurrent requests), "
                              f"got {sizes!r}; [] skips the batch-size sweep")
         if self.batch_schedule is not None:
-            check_schedule(self.batch_schedule, f"{where}.batch_schedule")
+            check_schedule(self.batch_schedule, f"{where}.batch_schedule", self.num_speculative_tokens)
         return self
 
 
-def check_schedule(schedule: Any, where: str) -> None:
-    """vLLM's rules for ``num_speculative_tokens_per_batch_size``, checked before an engine starts."""
+def check_schedule(schedule: Any, where: str, k: int) -> None:
+    """vLLM's rules for ``num_speculative_tokens_per_batch_size``, checked before an engine starts, and ours: the
+    range from batch 1 drafts the ``k`` the report is labelled with (vLLM would quietly draft the smaller of the
+    two), no range more."""
     fix = "give [[first, last, k], ...] with inclusive batch-size ranges from 1 upwards, e.g. [[1, 4, 3], [5, 1024, 0]]"
     entries = schedule if isinstance(schedule, list | tuple) else None
     if not entries or not all(isinstance(e, list | tuple) and len(e) == 3 and all(isinstance(v, int) for v in e)
                               for e in entries):
         raise EagleError(f"{where} must be a non-empty list of [first, last, k] whole numbers, got {schedule!r}: {fix}")
     end = 0
-    for first, last, k in sorted(entries):
+    for first, last, drafts in sorted(entries, key=lambda e: e[0]):
         starts_right = first == 1 if end == 0 else first > end  # vLLM fills gaps with the k before them
-        if not starts_right or last < first or k < 0:
-            raise EagleError(f"{where}: the range [{first}, {last}, {k}] does not fit (ranges must start at 1, not "
-                             f"overlap, end at or after their start; k >= 0): {fix}")
+        if not starts_right or last < first or drafts < 0:
+            raise EagleError(f"{where}: the range [{first}, {last}, {drafts}] does not fit (ranges must start at 1, "
+                             f"not overlap, end at or after their start; k >= 0): {fix}")
+        if drafts > k or (first == 1 and drafts != k):
+            raise EagleError(f"{where}: the range [{first}, {last}, {drafts}] drafts {drafts} tokens, but "
+                             f"num_speculative_tokens is {k}: the range from batch 1 must draft exactly {k} and none "
+                             f"more (set num_speculative_tokens to the schedule's batch-1 k)")
         end = last
 
 

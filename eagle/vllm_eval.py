@@ -159,6 +159,16 @@ def _batch_sweep(engines: dict[str, Any], name: str, k: int,
     return fit_schedule(rows, k, served_with)
 
 
+def _check_batch_settings(vllm: Any, ks: Sequence[int], prompts: int) -> None:
+    """A sweep needs a batch size it can fill; a schedule belongs to one chain length."""
+    if vllm.batch_sizes and not any(1 < b <= prompts for b in vllm.batch_sizes):
+        raise EagleError(f"eval.vllm.batch_sizes={vllm.batch_sizes} holds no size from 2 to the {prompts} prompts "
+                         "evaluated (batch 1 is the one-at-a-time run): give sizes in that range or more prompts")
+    if vllm.batch_schedule and list(ks) != [vllm.num_speculative_tokens]:
+        raise EagleError(f"eval.vllm.batch_schedule serves one chain length (num_speculative_tokens="
+                         f"{vllm.num_speculative_tokens}), not k = {list(ks)}: measure one k at a time")
+
+
 def _referee(runs: list[PromptRun], target_dir: str, dtype: str, trust_remote_code: bool) -> dict[str, Any]:
     """Near-tie or bug for every prompt whose speculative output differs from plain (HF target, same dtype)."""
     differing = [r for r in runs if r.spec.tokens != r.plain.tokens]
@@ -204,6 +214,7 @@ def vllm_reports(
     sets = load_prompt_sets(cfg.prompts, tokenizer, cfg.max_prompts)
     eos = _eos_ids(target_dir, tokenizer)
     flat = [(name, pid, ids) for name, prompts in sets for pid, ids in prompts]
+    _check_batch_settings(cfg.vllm, ks, len(flat))
     job = Job(
         kind="decode", target=target_dir, dtype=dtype,
         engines=[EngineSpec(f"k{k}", draft, k, cfg.vllm.batch_schedule) for k in ks]

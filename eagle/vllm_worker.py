@@ -97,17 +97,25 @@ def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     return {"per_position": pos, **{k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}}
 
 
+def sweep_groups(n: int, b: int) -> list[list[int]]:
+    """Prompt indices in ceil(n / b) groups of b: group g takes g, g + G, g + 2G, ... (mod n), so that every
+    prompt is in a group and each group mixes the prompt sets (they come one after another), the last few taken
+    twice when b does not divide n."""
+    count = -(-n // b)
+    return [[(g + count * j) % n for j in range(b)] for g in range(count)]
+
+
 def _sweep(job: Job, engines: dict[str, Any], prompts: list[Any], sampling: Any) -> dict[str, dict[str, Any]]:
-    """Per engine and batch size b > 1 of ``job.vllm.batch_sizes``: the prompts in groups of b (whole groups
-    only), each group submitted at once, the engines taking turns group by group."""
+    """Per engine and batch size b > 1 of ``job.vllm.batch_sizes``: the prompts in groups of b
+    (:func:`sweep_groups`), each group submitted at once, the engines taking turns group by group."""
     names = [e.name for e in job.engines]
     out: dict[str, dict[str, Any]] = {name: {} for name in names}
     for b in sorted({b for b in job.vllm.batch_sizes if 1 < b <= len(prompts)}):
         runs = {name: {"seconds": 0.0, "requests": []} for name in names}
-        for g, start in enumerate(range(0, len(prompts) - b + 1, b)):
+        for g, group in enumerate(sweep_groups(len(prompts), b)):
             for name in names[g % len(names):] + names[: g % len(names)]:
                 t0 = time.perf_counter()
-                outs = engines[name].generate(prompts[start : start + b], sampling, use_tqdm=False)
+                outs = engines[name].generate([prompts[i] for i in group], sampling, use_tqdm=False)
                 runs[name]["seconds"] += time.perf_counter() - t0
                 runs[name]["requests"] += [_record(o) for o in outs]
         for name in names:

@@ -176,6 +176,8 @@ def schedule_cmd(args: argparse.Namespace) -> int:
     from eagle.errors import EagleError
     from eagle.vllm_eval import vllm_reports
 
+    if len(args.k) != 1:
+        raise SystemExit("schedule measures one chain length: give one --k")
     k = args.k[0]
     rows, reports, schedules, failures = [], {}, {}, {}
     name = args.name or f"{datetime.date.today()}-vllm-batch-schedule"

@@ -403,6 +403,6 @@ def test_eval_fills_in_the_cards_evaluation_section(tmp_path, target):
     vllm = {**report, "engine": "vllm", "tree": {"policy": "chain", "depth": 3}, "batch_sweep": fit_schedule(rows, 3)}
     assert update_eval_section(out, vllm)
     card = (out / "README.md").read_text()
-    assert "up to 2 requests at once" in card and '"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 1024, 0]]' in card
+    assert "Speedup by concurrent requests (1: 1.50x" in card and "up to 2 requests at once" in card and '"num_speculative_tokens_per_batch_size": [[1, 2, 3], [3, 1024, 0]]' in card
     (out / "README.md").write_text("# someone else's card\n")
     assert not update_eval_section(out, report)  # not ours: left alone

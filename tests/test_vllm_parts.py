@@ -112,11 +112,43 @@ def test_batch_schedule_keeps_the_head_up_to_the_last_size_measured_faster():
 @pytest.mark.parametrize("schedule, problem", [
     ([[2, 4, 3]], "start at 1"), ([[1, 4, 3], [3, 8, 0]], "overlap"), ([[1, 4, -1]], "k >= 0"),
     ([[1, 4]], "[first, last, k]"), ([], "non-empty"), ([[1, 4, 3], [6, 2, 0]], "end at or after"),
+    ([[1, 4, 2], [5, 9, 0]], "must draft exactly 3"), ([[1, 4, 3], [5, 9, 4]], "none more"),
 ])
 def test_a_batch_schedule_vllm_would_refuse_is_refused_by_name(schedule, problem):
     with pytest.raises(EagleError, match="eval.vllm.batch_schedule") as err:
         VllmConfig(batch_schedule=schedule).validate("eval.vllm")
-    assert problem in str(err.value) and "[[1, 4, 3], [5, 1024, 0]]" in str(err.value)
+    assert problem in str(err.value)
+    VllmConfig(batch_schedule=[[1, 4, 3], [9, 16, 0]]).validate()  # vLLM carries k = 3 over the gap 5-8
+
+
+def test_sweep_groups_cover_every_prompt_and_mix_the_sets():
+    from eagle.vllm_worker import sweep_groups
+
+    for n, b in ((24, 2), (24, 8), (24, 16), (40, 4), (7, 3), (5, 5)):
+        groups = sweep_groups(n, b)
+        assert len(groups) == -(-n // b) and all(len(g) == b for g in groups)
+        assert {i for g in groups for i in g} == set(range(n))  # nobody left out
+    # two sets of 12 one after another: every group of 8 holds both, half and half
+    assert all(sum(i < 12 for i in g) == 4 for g in sweep_groups(24, 8))
+
+
+def test_a_job_with_a_sweep_and_a_schedule_survives_json():
+    from eagle.vllm_engine import EngineSpec, Job
+
+    job = Job(kind="decode", target="t", dtype="float32", engines=[EngineSpec("k3", "d", 3, [[1, 2, 3], [3, 9, 0]])],
+              prompts=[[1, 2]], max_new_tokens=4, stop_token_ids=[2], max_model_len=64,
+              vllm=VllmConfig(batch_sizes=[2, 4], batch_schedule=[[1, 2, 3], [3, 9, 0]]))
+    assert Job.from_json(job.to_json()) == job
+
+
+def test_a_sweep_it_cannot_fill_or_a_schedule_for_several_ks_is_refused():
+    from eagle.vllm_eval import _check_batch_settings
+
+    with pytest.raises(EagleError, match="no size from 2 to the 6 prompts"):
+        _check_batch_settings(VllmConfig(batch_sizes=[1, 8]), [3], 6)
+    with pytest.raises(EagleError, match="one chain length"):
+        _check_batch_settings(VllmConfig(batch_schedule=[[1, 2, 3], [3, 9, 0]]), [2, 3], 6)
+    _check_batch_settings(VllmConfig(batch_sizes=[1, 4], batch_schedule=[[1, 2, 3], [3, 9, 0]]), [3], 6)
 
 
 def test_batch_schedule_is_none_when_the_head_always_or_never_pays():
