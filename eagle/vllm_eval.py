@@ -122,18 +122,13 @@ def _batched_summary(engines: dict[str, Any], name: str) -> dict[str, Any] | Non
         for i, (s, p) in enumerate(zip(spec["requests"], plain["requests"]))
     ]
     summary = summarize(runs, 0.0)
-    matches = [r.spec.tokens == r.plain.tokens for r in runs]
-    tokens = sum(len(r.spec.tokens) for r in runs)
-    base_tokens = sum(len(r.plain.tokens) for r in runs)
-    tps, base = tokens / spec["seconds"], base_tokens / plain["seconds"]
+    pooled = _pooled(len(runs), spec, plain)
     return {
         "num_prompts": len(runs),
-        "tokens_per_second": tps,
-        "baseline_tokens_per_second": base,
-        "speedup": tps / base,
+        **{key: pooled[key] for key in ("tokens_per_second", "baseline_tokens_per_second", "speedup")},
         "acceptance_length_mean": summary["acceptance_length_mean"],
         "per_depth_acceptance": summary["per_depth_acceptance"],
-        "greedy_match_rate": sum(matches) / len(matches),
+        "greedy_match_rate": pooled["greedy_match_rate"],
         "engine_counts": spec["counts"],
         "time_s": spec["seconds"],
         "baseline_time_s": plain["seconds"],
@@ -151,12 +146,15 @@ def _batch_sweep(engines: dict[str, Any], name: str, k: int,
     by_size = {1: ({"requests": spec["single"], "seconds": sum(r["seconds"] for r in spec["single"])},
                    {"requests": plain["single"], "seconds": sum(r["seconds"] for r in plain["single"])})}
     by_size.update({int(b): (run, plain["sweep"][b]) for b, run in spec["sweep"].items()})
-    rows = []
-    for b, (s, p) in sorted(by_size.items()):
-        matches = [x["tokens"] == y["tokens"] for x, y in zip(s["requests"], p["requests"])]
-        rows.append(sweep_row(b, sum(len(x["tokens"]) for x in s["requests"]), s["seconds"],
-                              sum(len(y["tokens"]) for y in p["requests"]), p["seconds"], matches))
-    return fit_schedule(rows, k, served_with)
+    return fit_schedule([_pooled(b, s, p) for b, (s, p) in sorted(by_size.items())], k, served_with)
+
+
+def _pooled(batch_size: int, spec: dict[str, Any], plain: dict[str, Any]) -> dict[str, Any]:
+    """Pooled tokens/s with the head and without, and outputs equal, of two runs of the same requests
+    (``{"requests": [records], "seconds": s}``)."""
+    matches = [x["tokens"] == y["tokens"] for x, y in zip(spec["requests"], plain["requests"])]
+    return sweep_row(batch_size, sum(len(x["tokens"]) for x in spec["requests"]), spec["seconds"],
+                     sum(len(y["tokens"]) for y in plain["requests"]), plain["seconds"], matches)
 
 
 def _check_batch_settings(vllm: Any, ks: Sequence[int], prompts: int) -> None:

@@ -97,6 +97,12 @@ def _delta(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
     return {"per_position": pos, **{k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}}
 
 
+def _in_turn(names: list[str], i: int) -> list[str]:
+    """The engines in the order they run the i-th prompt or group: each goes first as often as the others, so
+    that drifts of the machine hit them alike."""
+    return names[i % len(names):] + names[: i % len(names)]
+
+
 def sweep_groups(n: int, b: int) -> list[list[int]]:
     """Prompt indices in ceil(n / b) groups of b: group g takes g, g + G, g + 2G, ... (mod n), so that every
     prompt is in a group and each group mixes the prompt sets (they come one after another), the last few taken
@@ -113,7 +119,7 @@ def _sweep(job: Job, engines: dict[str, Any], prompts: list[Any], sampling: Any)
     for b in sorted({b for b in job.vllm.batch_sizes if 1 < b <= len(prompts)}):
         runs = {name: {"seconds": 0.0, "requests": []} for name in names}
         for g, group in enumerate(sweep_groups(len(prompts), b)):
-            for name in names[g % len(names):] + names[: g % len(names)]:
+            for name in _in_turn(names, g):
                 t0 = time.perf_counter()
                 outs = engines[name].generate([prompts[i] for i in group], sampling, use_tqdm=False)
                 runs[name]["seconds"] += time.perf_counter() - t0
@@ -147,8 +153,7 @@ def decode(job: Job) -> dict[str, Any]:
     before = {name: _counts(engines[name]) for name in counted}
     names = [e.name for e in job.engines]
     for k, prompt in enumerate(prompts):
-        order = names[k % len(names):] + names[: k % len(names)]
-        for name in order:
+        for name in _in_turn(names, k):
             t0 = time.perf_counter()
             out = engines[name].generate([prompt], sampling, use_tqdm=False)[0]
             seconds = time.perf_counter() - t0

@@ -121,14 +121,16 @@ def speed(args: argparse.Namespace) -> int:
 
 def _schedule_rows(dtype: str, fixed: dict[str, Any], scheduled: dict[str, Any] | None) -> list[dict[str, Any]]:
     served = {r["batch_size"]: r for r in (scheduled or {}).get("rows", [])}
-    return [{"dtype": dtype, "batch_size": r["batch_size"], "tok_s_head": r["tokens_per_second"],
-             "tok_s_plain": r["baseline_tokens_per_second"], "speedup": r["speedup"],
-             "tok_s_scheduled": served.get(r["batch_size"], {}).get("tokens_per_second"),
-             "tok_s_plain_beside_scheduled": served.get(r["batch_size"], {}).get("baseline_tokens_per_second"),
-             "speedup_scheduled": served.get(r["batch_size"], {}).get("speedup"),
-             "greedy_match_rate": r["greedy_match_rate"],
-             "greedy_match_rate_scheduled": served.get(r["batch_size"], {}).get("greedy_match_rate")}
-            for r in fixed["rows"]]
+    rows = []
+    for r in fixed["rows"]:
+        other = served.get(r["batch_size"], {})
+        rows.append({"dtype": dtype, "batch_size": r["batch_size"], "tok_s_head": r["tokens_per_second"],
+                     "tok_s_plain": r["baseline_tokens_per_second"], "speedup": r["speedup"],
+                     "tok_s_scheduled": other.get("tokens_per_second"),
+                     "tok_s_plain_beside_scheduled": other.get("baseline_tokens_per_second"),
+                     "speedup_scheduled": other.get("speedup"), "greedy_match_rate": r["greedy_match_rate"],
+                     "greedy_match_rate_scheduled": other.get("greedy_match_rate")})
+    return rows
 
 
 def _print_schedule(rows: list[dict[str, Any]], schedules: dict[str, Any]) -> str:
