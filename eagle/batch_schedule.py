@@ -21,12 +21,15 @@ MAX_BATCH = 1024  # the "off" range's end: vLLM clips the schedule to its own ma
 
 
 def sweep_row(batch_size: int, tokens: int, seconds: float, base_tokens: int, base_seconds: float,
-              matches: list[bool]) -> dict[str, Any]:
-    """One measured batch size: pooled tokens/s with the head and without, their ratio, outputs equal to plain."""
+              matches: list[bool], draft_tokens: int | None = None) -> dict[str, Any]:
+    """One measured batch size: pooled tokens/s with the head and without, their ratio, outputs equal to plain,
+    and the head's drafted tokens per generated token (about k / tau where it drafts every step, near 0 where a
+    schedule turned it off: the direct sign that the engine followed the schedule; None when not counted)."""
     tps, base = tokens / seconds, base_tokens / base_seconds
     return {"batch_size": batch_size, "tokens_per_second": tps, "baseline_tokens_per_second": base,
             "speedup": tps / base, "requests": len(matches),
-            "greedy_match_rate": sum(matches) / len(matches) if matches else None}
+            "greedy_match_rate": sum(matches) / len(matches) if matches else None,
+            "draft_tokens_per_token": draft_tokens / tokens if draft_tokens is not None and tokens else None}
 
 
 def fit_schedule(rows: list[dict[str, Any]], k: int, served_with: list[list[int]] | None = None) -> dict[str, Any]:
@@ -51,12 +54,23 @@ def fit_schedule(rows: list[dict[str, Any]], k: int, served_with: list[list[int]
             "measured_up_to": rows[-1]["batch_size"], "schedule": schedule, "served_with": served_with}
 
 
+def drafted_text(always_on: float | None, scheduled: float | None) -> str:
+    """Drafted tokens per generated token of the head always on, and with a schedule ("-" when not counted):
+    where the schedule turns the head off, the second falls to about 0."""
+    if always_on is None:
+        return "-"
+    return f"{always_on:.2f}" + ("" if scheduled is None else f" / {scheduled:.2f}")
+
+
 def describe(sweep: dict[str, Any]) -> str:
     """One or two lines: speedup per batch size, and the schedule to serve with (or why there is none)."""
     speeds = ", ".join(f"{r['batch_size']}: {r['speedup']:.2f}x" for r in sweep["rows"])
     line = f"speedup by concurrent requests ({speeds})"
     if sweep.get("served_with"):
-        return f"{line}, the head served with the schedule {sweep['served_with']}"
+        drafted = ", ".join(f"{r['batch_size']}: {r['draft_tokens_per_token']:.2f}" for r in sweep["rows"]
+                            if r.get("draft_tokens_per_token") is not None)
+        return (f"{line}, the head served with the schedule {sweep['served_with']}"
+                + (f" (drafted tokens per generated token: {drafted})" if drafted else ""))
     if sweep["schedule"]:
         return (f"{line}; the head pays up to {sweep['pays_up_to']} requests at once (slower at "
                 f"{sweep['first_slower']}): serve with \"num_speculative_tokens_per_batch_size\": "

@@ -153,8 +153,10 @@ def _pooled(batch_size: int, spec: dict[str, Any], plain: dict[str, Any]) -> dic
     """Pooled tokens/s with the head and without, and outputs equal, of two runs of the same requests
     (``{"requests": [records], "seconds": s}``)."""
     matches = [x["tokens"] == y["tokens"] for x, y in zip(spec["requests"], plain["requests"])]
+    drafted = [x.get("num_draft_tokens") for x in spec["requests"]]
     return sweep_row(batch_size, sum(len(x["tokens"]) for x in spec["requests"]), spec["seconds"],
-                     sum(len(y["tokens"]) for y in plain["requests"]), plain["seconds"], matches)
+                     sum(len(y["tokens"]) for y in plain["requests"]), plain["seconds"], matches,
+                     None if None in drafted else sum(drafted))
 
 
 def _check_batch_settings(vllm: Any, ks: Sequence[int], prompts: int) -> None:

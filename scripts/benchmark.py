@@ -130,13 +130,16 @@ def render_table(reports: list[tuple[Path, dict]]) -> str:
     return "\n".join([header] + [r for _, _, r in sorted(rows)])
 
 
+def _of_kind(reports: list[tuple[Path, dict]], kind: str) -> list[tuple[Path, dict]]:
+    """The benchmark JSONs written by one script (their ``kind``), in the given order."""
+    return [(path, report) for path, report in reports if report.get("kind") == kind]
+
+
 def render_regen_table(reports: list[tuple[Path, dict]]) -> str:
     """The regeneration-throughput table (``scripts/regen_benchmark.py``'s JSONs), one row per engine and file."""
     rows = ["| file | engine | conversations | answer tokens | seconds | conv/s | answer tok/s | features kept "
             "| answers identical to hf |", "|---|---|---|---|---|---|---|---|---|"]
-    for path, report in reports:
-        if report.get("kind") != "regen-throughput":
-            continue
+    for path, report in _of_kind(reports, "regen-throughput"):
         for engine, r in report["engines"].items():
             same = r.get("answers_identical_to_hf")
             rows.append(
@@ -174,9 +177,7 @@ def render_vllm_table(reports: list[tuple[Path, dict]]) -> str:
     rows = ["| file | head | dtype | k | vLLM steps | prompts | tau | pos 1 | tok/s plain | tok/s head | speedup "
             "| per-prompt speedup | batched speedup | output = plain | tau for 2x (speedup at tau = k + 1) |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for path, data in reports:
-        if data.get("kind") != "vllm-speed":
-            continue
+    for path, data in _of_kind(reports, "vllm-speed"):
         for row in data["rows"]:
             report = data["reports"][f"{row['dtype']}-k{row['k']}"]
             eager = report["settings"]["vllm"].get("enforce_eager")
@@ -197,17 +198,19 @@ def render_vllm_table(reports: list[tuple[Path, dict]]) -> str:
 
 def render_batch_table(reports: list[tuple[Path, dict]]) -> str:
     """The head in vLLM by concurrent requests (``scripts/vllm_benchmark.py schedule``'s JSONs)."""
+    from eagle.batch_schedule import drafted_text
+
     rows = ["| file | head | dtype | k | requests at once | tok/s plain | tok/s head | speedup | schedule found "
-            "| with the schedule | output = plain |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for path, data in reports:
-        if data.get("kind") != "vllm-batch-schedule":
-            continue
+            "| with the schedule | output = plain | drafts per token (always / with the schedule) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for path, data in _of_kind(reports, "vllm-batch-schedule"):
         for row in data["rows"]:
+            drafts = drafted_text(row.get("drafts_per_token"), row.get("drafts_per_token_scheduled"))
             rows.append(
                 f"| {path.stem} | `{data['draft']}` | {row['dtype']} | {data['k']} | {row['batch_size']} "
                 f"| {row['tok_s_plain']:.1f} | {row['tok_s_head']:.1f} | {row['speedup']:.2f}x "
                 f"| `{data['schedules'].get(row['dtype'])}` | {_fmt(row['speedup_scheduled'], '.2f', 'x')} "
-                f"| {_fmt(100 * row['greedy_match_rate'], '.0f', '%')} |"
+                f"| {_fmt(100 * row['greedy_match_rate'], '.0f', '%')} | {drafts} |"
             )
     return "\n".join(rows)
 

@@ -32,6 +32,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from eagle.batch_schedule import drafted_text  # noqa: E402
 from eagle.evaluate import EvalConfig  # noqa: E402
 from eagle.fileio import write_json_atomic  # noqa: E402
 
@@ -129,20 +130,23 @@ def _schedule_rows(dtype: str, fixed: dict[str, Any], scheduled: dict[str, Any] 
                      "tok_s_scheduled": other.get("tokens_per_second"),
                      "tok_s_plain_beside_scheduled": other.get("baseline_tokens_per_second"),
                      "speedup_scheduled": other.get("speedup"), "greedy_match_rate": r["greedy_match_rate"],
-                     "greedy_match_rate_scheduled": other.get("greedy_match_rate")})
+                     "greedy_match_rate_scheduled": other.get("greedy_match_rate"),
+                     "drafts_per_token": r.get("draft_tokens_per_token"),
+                     "drafts_per_token_scheduled": other.get("draft_tokens_per_token")})
     return rows
 
 
 def _print_schedule(rows: list[dict[str, Any]], schedules: dict[str, Any]) -> str:
     head = (f"{'dtype':9} {'batch':>5} {'tok/s head':>10} {'tok/s plain':>11} {'speedup':>7} "
-            f"{'scheduled':>9} {'speedup':>7} {'match':>6}")
+            f"{'scheduled':>9} {'speedup':>7} {'match':>6} {'drafts/token':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         sched = r["speedup_scheduled"]
         lines.append(
             f"{r['dtype']:9} {r['batch_size']:>5} {r['tok_s_head']:10.1f} {r['tok_s_plain']:11.1f} "
             f"{r['speedup']:6.2f}x {r['tok_s_scheduled'] or 0:9.1f} "
-            f"{'' if sched is None else f'{sched:6.2f}x':>7} {100 * (r['greedy_match_rate'] or 0):5.0f}%")
+            f"{'' if sched is None else f'{sched:6.2f}x':>7} {100 * (r['greedy_match_rate'] or 0):5.0f}% "
+            f"{drafted_text(r['drafts_per_token'], r['drafts_per_token_scheduled']):>12}")
     lines += [f"{dtype}: {schedule}" for dtype, schedule in schedules.items()]
     text = "\n".join(lines)
     print(text)

@@ -75,6 +75,7 @@ def test_vllm_serves_the_export_and_matches_plain_decoding_in_fp32(vllm_fp32):
     assert [r["batch_size"] for r in sweep["rows"]] == [1, 4]
     assert [r["requests"] for r in sweep["rows"]] == [2 * PROMPTS] * 2
     assert all(r["greedy_match_rate"] == 1.0 and r["tokens_per_second"] > 0 for r in sweep["rows"])
+    assert all(r["draft_tokens_per_token"] > 0 for r in sweep["rows"])  # vLLM's per-request draft counts
 
 
 def test_vllm_follows_the_batch_schedule_we_write(eval_cfg):
@@ -95,6 +96,10 @@ def test_vllm_follows_the_batch_schedule_we_write(eval_cfg):
     # four at once: it does not (but for a step or two run before the other requests reached the engine)
     assert result["batched"]["counts"]["drafts"] <= 2 < result["single_counts"]["drafts"] / 4
     assert [r["tokens"] for r in result["batched"]["requests"]] == [r["tokens"] for r in result["single"]]
+    # the per-request counts the batch sweep reports (drafted tokens per token) show the same
+    single = sum(r["num_draft_tokens"] for r in result["single"])
+    batched = sum(r["num_draft_tokens"] for r in result["batched"]["requests"])
+    assert batched <= 2 * 3 < single / 4
 
 
 def test_parity_with_our_loop_and_a_broken_export_fails_it(eval_cfg, vllm_fp32, hf_fp32, tmp_path):

@@ -171,7 +171,17 @@ def test_batch_sweep_from_worker_records():
     assert [round(r["speedup"], 3) for r in sweep["rows"]] == [2.0, 1.5, 0.667]
     assert sweep["rows"][0]["tokens_per_second"] == 10.0 and sweep["rows"][1]["greedy_match_rate"] == 1.0
     assert sweep["schedule"] == [[1, 2, 3], [3, MAX_BATCH, 0]]
+    assert all(r["draft_tokens_per_token"] is None for r in sweep["rows"])  # records without vLLM's counts
     assert _batch_sweep({"k3": engines["k3"]}, "k3", 3) is None  # no baseline, no sweep
+    # with vLLM's per-request draft counts: drafted tokens per generated token, by batch size
+    for rec in single:
+        rec["num_draft_tokens"] = 6
+    for b, drafted in (("2", 6), ("4", 0)):
+        for rec in engines["k3"]["sweep"][b]["requests"]:
+            rec["num_draft_tokens"] = drafted
+    served = _batch_sweep(engines, "k3", 3, served_with=[[1, 2, 3], [3, MAX_BATCH, 0]])
+    assert [r["draft_tokens_per_token"] for r in served["rows"]] == [0.6, 0.6, 0.0]
+    assert "drafted tokens per generated token: 1: 0.60, 2: 0.60, 4: 0.00" in describe_sweep(served)
 
 
 def test_speculative_config_carries_a_batch_schedule(tmp_path):
