@@ -63,6 +63,10 @@ class TargetConfig:
     # online training under a multi-process launch: auto = split the frozen target's decoder layers across the
     # processes (no process holds a whole copy on its GPU); none = every process holds the whole target
     shard: str = "auto"
+    # auto = the fastest this device has (on a CPU eagle's SDPA over grouped key/value heads, eagle/attention.py;
+    # then stock sdpa; eager for architectures without either); or one transformers attn_implementation,
+    # used as given (sdpa, eager, flash_attention_2 where installed, ...)
+    attention: str = "auto"
 
     def validate(self) -> TargetConfig:
         """Raise EagleError naming the bad field and its allowed values; return self when all is well."""
@@ -81,6 +85,11 @@ class TargetConfig:
             raise EagleError(f"target.cpu_prepack must be true or false (got {self.cpu_prepack!r})")
         if self.shard not in ("auto", "none"):
             raise EagleError(f"target.shard must be auto or none (got {self.shard!r})")
+        if not isinstance(self.attention, str) or not self.attention.strip():
+            raise EagleError(
+                f"target.attention must be auto or an attn_implementation name such as sdpa or eager "
+                f"(got {self.attention!r})"
+            )
         return self
 
 
@@ -289,12 +298,16 @@ def avoid_cudnn_attention(device: str | torch.device) -> bool:
     return True
 
 
-def attention_choices(device: str) -> list[str]:
-    """The attention implementations to try, best first: on a CPU SDPA without the GQA copy
-    (:mod:`eagle.attention`), then stock SDPA; eager for architectures that support neither."""
+def attention_choices(device: str, attention: str = "auto") -> list[str]:
+    """The attention implementations to try, best first: for ``auto`` on a CPU SDPA without the GQA copy
+    (:mod:`eagle.attention`), then stock SDPA; eager for architectures that support neither. Any other
+    ``attention`` (``target.attention``) is the only one tried."""
     from eagle.attention import register
 
-    return ([register()] if device == "cpu" else []) + ["sdpa", "eager"]
+    ours = register()  # so that target.attention may name it too
+    if attention != "auto":
+        return [attention]
+    return ([ours] if device == "cpu" else []) + ["sdpa", "eager"]
 
 
 def _from_pretrained(path: str, choices: list[str], kwargs: dict) -> torch.nn.Module:
@@ -307,7 +320,16 @@ def _from_pretrained(path: str, choices: list[str], kwargs: dict) -> torch.nn.Mo
             if not any(word in str(e).lower() for word in ("attention", "attn", "sdpa")):
                 raise
             log.info("target %s: attn_implementation=%s unsupported (%s); trying the next", path, impl, e)
-    return AutoModelForCausalLM.from_pretrained(path, attn_implementation=choices[-1], **kwargs)
+    try:
+        return AutoModelForCausalLM.from_pretrained(path, attn_implementation=choices[-1], **kwargs)
+    except (ValueError, ImportError) as e:
+        if len(choices) > 1 or not any(word in str(e).lower() for word in ("attention", "attn", "sdpa", "flash")):
+            raise
+        first = str(e).strip().splitlines()[0]
+        raise EagleError(
+            f"target.attention={choices[0]} cannot load {path}: {first}. Use target.attention=auto (the fastest "
+            "this model and device support) or another attn_implementation such as sdpa or eager"
+        ) from e
 
 
 def load_target(
@@ -316,7 +338,8 @@ def load_target(
     device: str = "cpu",
     trust_remote_code: bool = False,
 ) -> Target:
-    """Load a frozen target (model + tokenizer). A TargetConfig supplies all four settings itself."""
+    """Load a frozen target (model + tokenizer). A TargetConfig supplies these settings itself, and its
+    ``attention``."""
     from safetensors import SafetensorError
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
 
@@ -341,7 +364,7 @@ def load_target(
     device_map: Any = None if dev == "cpu" else ("auto" if dev == "auto" else {"": dev})
     kwargs = dict(dtype=torch_dtype, device_map=device_map, trust_remote_code=cfg.trust_remote_code)
     try:
-        model = _from_pretrained(path, attention_choices(dev), kwargs)
+        model = _from_pretrained(path, attention_choices(dev, cfg.attention), kwargs)
     except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:  # truncated / unsafe weights
         raise _load_error(name, e) from e
     try:

@@ -6,6 +6,7 @@ Reads the ``target``, ``data`` (where the prepared data is) and ``collect`` sect
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from recipes.config import RunConfig
@@ -24,8 +25,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
     if device not in ("cpu", "auto"):
         state = PartialState()
         device = str(state.device) if state.num_processes > 1 else device
-    target = load_target(cfg.target.name, dtype=cfg.collect.target_dtype or cfg.target.dtype, device=device,
-                         trust_remote_code=cfg.target.trust_remote_code)
+    target = load_target(replace(cfg.target, dtype=cfg.collect.target_dtype or cfg.target.dtype, device=device))
     if cfg.target.cpu_prepack:
         prepack_for_cpu(target.model)  # no-op off the CPU; collection forwards ~2x faster on one
     return collect(cfg.collect, cfg.data.output_dir, target)

@@ -33,8 +33,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
 
         report = evaluate_vllm(cfg.eval, cfg.target.name, cfg.target.dtype, cfg.target.trust_remote_code)
     else:
-        target = load_target(cfg.target.name, dtype=cfg.target.dtype, device=cfg.target.device,
-                             trust_remote_code=cfg.target.trust_remote_code)
+        target = load_target(cfg.target)
         if cfg.eval.engine == "both":
             from eagle.vllm_eval import evaluate_both
 

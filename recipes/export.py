@@ -9,6 +9,7 @@ written into a speculators config).
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +34,7 @@ def run(cfg: RunConfig) -> Path:
     state, head_cfg = load_head_files(src)
     head = build_head(HeadConfig.from_dict(head_cfg))
     head.load_state_dict(state, strict=True)
-    target = load_target(cfg.target.name, dtype="float32", device="cpu",
-                         trust_remote_code=cfg.target.trust_remote_code)
+    target = load_target(replace(cfg.target, dtype="float32", device="cpu"))
     info = provenance(cfg.target.name, target, dtype=cfg.collect.target_dtype or cfg.target.dtype)
     out = export_head(
         head,

@@ -34,7 +34,6 @@ def main() -> int:
     parser.add_argument("--name", default=None)
     args = parser.parse_args()
 
-    from eagle import targets
     from eagle.targets import load_tokenizer
     from recipes.config import load_config
     from train.prepare import prepare
@@ -48,14 +47,9 @@ def main() -> int:
             loop = engine.split("-")[0]
             data = replace(cfg.data, regen_engine=loop, output_dir=str(Path(tmp) / engine), regen_max_minutes=None,
                            capture_features=cfg.data.capture_features and loop == "hf")
-            best_attention = targets.attention_choices
-            if engine == "hf-sdpa":
-                targets.attention_choices = lambda device: ["sdpa", "eager"]
+            target = replace(cfg.target, attention="sdpa") if engine == "hf-sdpa" else cfg.target
             t0 = time.perf_counter()
-            try:
-                summary = prepare(data, cfg.target, collect=cfg.collect)
-            finally:
-                targets.attention_choices = best_attention
+            summary = prepare(data, target, collect=cfg.collect)
             seconds = time.perf_counter() - t0
             answers = read_partial(next(Path(data.output_dir).glob("regen-*.jsonl")))
             texts[engine] = answers

@@ -80,11 +80,12 @@ def _prompts(target_dir: str, sets: list[str], per_set: int) -> list[list[int]]:
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from eagle.targets import resolve_target
-    from eagle.vllm_engine import speculative_config
+    from eagle.vllm_engine import EngineSpec, Job
+    from eagle.vllm_worker import build_engine
 
     clock = Clock()
     wrapped = [(level, f"{c}.{m}") for level, mod, c, m in PARTS if clock.wrap(mod, c, m)]
@@ -92,9 +93,11 @@ def profile(args: argparse.Namespace) -> dict[str, Any]:
         raise SystemExit("this vLLM has no EngineCore.step to count steps by: the profile knows vLLM 0.32's V1 engine")
     target_dir = resolve_target(args.target)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in _prompts(target_dir, args.prompts, args.prompts_per_set)]
-    common = dict(model=target_dir, dtype=args.dtype, seed=0, max_model_len=2048)
-    engines = {"plain": LLM(**common),
-               f"k{args.k}": LLM(**common, speculative_config=speculative_config(args.draft, args.k))}
+    # the engines `eagle eval --engine vllm` builds, here in this process so that their methods can be timed
+    job = Job(kind="decode", target=target_dir, dtype=args.dtype, prompts=[], max_new_tokens=args.max_new_tokens,
+              engines=[EngineSpec("plain"), EngineSpec(f"k{args.k}", args.draft, args.k)], stop_token_ids=[],
+              max_model_len=2048)
+    engines = {e.name: build_engine(job, e, len(job.engines)) for e in job.engines}
     sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0)
     for llm in engines.values():  # warm-up, not timed
         llm.generate(prompts[:1], SamplingParams(max_tokens=16, temperature=0.0), use_tqdm=False)

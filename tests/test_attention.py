@@ -107,6 +107,25 @@ def test_cpu_targets_load_with_it(tiny_target_folder):
     assert target.model.config._attn_implementation == SDPA_GQA
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa", SDPA_GQA])
+def test_target_attention_picks_one_implementation(tiny_target_folder, attention):
+    """``target.attention`` names the implementation instead of the automatic choice."""
+    from eagle.targets import TargetConfig
+
+    target = load_target(TargetConfig(name=str(tiny_target_folder), attention=attention))
+    assert target.model.config._attn_implementation == attention
+
+
+def test_a_target_attention_the_model_cannot_use_is_named(tiny_target_folder):
+    from eagle.errors import EagleError
+    from eagle.targets import TargetConfig
+
+    with pytest.raises(EagleError, match="target.attention=no_such_kernel .*target.attention=auto"):
+        load_target(TargetConfig(name=str(tiny_target_folder), attention="no_such_kernel"))
+    with pytest.raises(EagleError, match="target.attention must be auto or"):
+        TargetConfig(attention="").validate()
+
+
 def test_a_cpu_loaded_target_bound_for_a_gpu_gets_stock_sdpa_back():
     """A sharded target is loaded on the CPU and run on GPUs, where CUDA's fused SDPA kernels are the fast ones."""
     _, ours = _pair("llama")

@@ -411,6 +411,12 @@ CASES = [
         r"must be >= 1",
     ),
     Case(
+        "config-unknown-target-attention",
+        lambda r, t: evaluate_with(r, "target.attention=no_such_kernel"),
+        r"target\.attention=no_such_kernel cannot load",
+        r"Use target\.attention=auto",
+    ),
+    Case(
         "config-nan-learning-rate",
         lambda r, t: cmd("train", r, "train.lr=.nan"),
         r"'train\.lr'.*got nan",
