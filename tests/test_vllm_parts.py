@@ -141,6 +141,23 @@ def test_a_job_with_a_sweep_and_a_schedule_survives_json():
     assert Job.from_json(job.to_json()) == job
 
 
+def test_cpu_workers_skip_the_compile_cache_vllm_cannot_load_unless_told(monkeypatch):
+    import torch
+
+    from eagle.vllm_engine import EngineSpec, Job, worker_env
+
+    job = Job(kind="decode", target="t", dtype="float32", engines=[EngineSpec("plain")], prompts=[],
+              max_new_tokens=8, stop_token_ids=[], max_model_len=64)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE", raising=False)
+    assert worker_env(job)["VLLM_USE_AOT_COMPILE"] == "0"
+    monkeypatch.setenv("VLLM_USE_AOT_COMPILE", "1")  # the user's choice is kept
+    assert worker_env(job)["VLLM_USE_AOT_COMPILE"] == "1"
+    monkeypatch.delenv("VLLM_USE_AOT_COMPILE")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # GPU builds keep vLLM's default
+    assert "VLLM_USE_AOT_COMPILE" not in worker_env(job)
+
+
 def test_a_sweep_it_cannot_fill_or_a_schedule_for_several_ks_is_refused():
     from eagle.vllm_eval import _check_batch_settings
 
