@@ -20,8 +20,9 @@ inside the engine, which shows up exactly so: acceptance below what the same hea
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,7 @@ class ParityError(CheckFailed):
     """vLLM's acceptance with an exported head is far below the HF loop's with the same head."""
 
 
-def _eos_ids(target_dir: str, tokenizer: Any) -> list[int]:
+def _eos_ids(target_dir: str, tokenizer: Any, trust_remote_code: bool = False) -> list[int]:
     """End-of-generation ids from the target folder's generation / model config and the tokenizer."""
     from transformers import AutoConfig, GenerationConfig
 
@@ -69,7 +70,7 @@ def _eos_ids(target_dir: str, tokenizer: Any) -> list[int]:
         sources.append(GenerationConfig.from_pretrained(target_dir))
     except (OSError, ValueError):
         pass
-    sources.append(AutoConfig.from_pretrained(target_dir))
+    sources.append(AutoConfig.from_pretrained(target_dir, trust_remote_code=trust_remote_code))
     for source in sources:
         value = getattr(source, "eos_token_id", None)
         if isinstance(value, int):
@@ -79,10 +80,11 @@ def _eos_ids(target_dir: str, tokenizer: Any) -> list[int]:
     return sorted(ids)
 
 
-def _max_model_len(target_dir: str, longest_prompt: int, max_new_tokens: int, k: int) -> int:
+def _max_model_len(target_dir: str, longest_prompt: int, max_new_tokens: int, k: int,
+                   trust_remote_code: bool = False) -> int:
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(target_dir).get_text_config()
+    config = AutoConfig.from_pretrained(target_dir, trust_remote_code=trust_remote_code).get_text_config()
     need = longest_prompt + max_new_tokens + k + 8
     limit = getattr(config, "max_position_embeddings", None)
     if limit and need > limit:
@@ -159,8 +161,12 @@ def _pooled(batch_size: int, spec: dict[str, Any], plain: dict[str, Any]) -> dic
                      None if None in drafted else sum(drafted))
 
 
-def _check_batch_settings(vllm: Any, ks: Sequence[int], prompts: int) -> None:
-    """A sweep needs a batch size it can fill; a schedule belongs to one chain length."""
+def _check_batch_settings(vllm: Any, ks: Sequence[int], prompts: int, baseline: bool = True) -> None:
+    """A sweep needs a batch size it can fill and plain vLLM to compare with; a schedule belongs to one chain
+    length."""
+    if vllm.batch_sizes and not baseline:
+        raise EagleError("eval.vllm.batch_sizes compares the head with plain vLLM at each batch size: set "
+                         "eval.baseline=true, or eval.vllm.batch_sizes=[] to skip the sweep")
     if vllm.batch_sizes and not any(1 < b <= prompts for b in vllm.batch_sizes):
         raise EagleError(f"eval.vllm.batch_sizes={vllm.batch_sizes} holds no size from 2 to the {prompts} prompts "
                          "evaluated (batch 1 is the one-at-a-time run): give sizes in that range or more prompts")
@@ -169,14 +175,11 @@ def _check_batch_settings(vllm: Any, ks: Sequence[int], prompts: int) -> None:
                          f"{vllm.num_speculative_tokens}), not k = {list(ks)}: measure one k at a time")
 
 
-def _referee(runs: list[PromptRun], target_dir: str, dtype: str, trust_remote_code: bool) -> dict[str, Any]:
-    """Near-tie or bug for every prompt whose speculative output differs from plain (HF target, same dtype)."""
+def _referee(runs: list[PromptRun], hf_model: Callable[[], Any], dtype: str) -> dict[str, Any]:
+    """Near-tie or bug for every prompt whose speculative output differs from plain (``hf_model()``: the HF
+    target in the same dtype, asked for only when an output differs)."""
     differing = [r for r in runs if r.spec.tokens != r.plain.tokens]
-    model = None
-    if differing:
-        from eagle.targets import load_target
-
-        model = load_target(target_dir, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code).model
+    model = hf_model() if differing else None
     for r in runs:
         r.mismatch = (diagnose_mismatch(model, r.prompt_ids, r.plain.tokens, r.spec.tokens)
                       if r in differing else None)
@@ -195,16 +198,19 @@ def _prompt_runs(sets: list, flat: list, spec: list[dict[str, Any]],
 
 def vllm_reports(
     cfg: EvalConfig, target_name: str, dtype: str, ks: Sequence[int], trust_remote_code: bool = False,
-    console: Any = None,
+    console: Any = None, referee: Any = None,
 ) -> dict[int, dict[str, Any]]:
     """One report per chain length in ``ks``: ``cfg.prompts`` decoded by vLLM with the head in ``cfg.draft``
-    drafting k tokens a step, and (``cfg.baseline``) without it, all engines in one worker, taking turns."""
+    drafting k tokens a step, and (``cfg.baseline``) without it, all engines in one worker, taking turns.
+    ``referee``: the HF target already loaded in ``dtype`` to judge greedy differences (else loaded on the CPU
+    when one occurs)."""
     from rich.console import Console
 
-    from eagle.targets import load_tokenizer, resolve_target
+    from eagle.targets import load_target, load_tokenizer, parse_dtype, resolve_target
 
     cfg.validate()
     console = console or Console()
+    dtype = str(parse_dtype(dtype)).removeprefix("torch.")  # vLLM takes these names, not bf16 / fp32
     if cfg.temperature > 0:
         raise EagleError("eval --engine vllm measures greedy decoding: set eval.temperature=0")
     draft = str(Path(cfg.draft))
@@ -212,15 +218,16 @@ def vllm_reports(
     target_dir = resolve_target(target_name)
     tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)
     sets = load_prompt_sets(cfg.prompts, tokenizer, cfg.max_prompts)
-    eos = _eos_ids(target_dir, tokenizer)
+    eos = _eos_ids(target_dir, tokenizer, trust_remote_code)
     flat = [(name, pid, ids) for name, prompts in sets for pid, ids in prompts]
-    _check_batch_settings(cfg.vllm, ks, len(flat))
+    _check_batch_settings(cfg.vllm, ks, len(flat), cfg.baseline)
     job = Job(
         kind="decode", target=target_dir, dtype=dtype,
         engines=[EngineSpec(f"k{k}", draft, k, cfg.vllm.batch_schedule) for k in ks]
         + ([EngineSpec("plain")] if cfg.baseline else []),
         prompts=[ids for _, _, ids in flat], max_new_tokens=cfg.max_new_tokens, stop_token_ids=eos,
-        max_model_len=_max_model_len(target_dir, max(len(ids) for *_, ids in flat), cfg.max_new_tokens, max(ks)),
+        max_model_len=_max_model_len(target_dir, max(len(ids) for *_, ids in flat), cfg.max_new_tokens, max(ks),
+                                     trust_remote_code),
         vllm=cfg.vllm, seed=cfg.seed, warmup=cfg.warmup, trust_remote_code=trust_remote_code,
     )
     with console.status(f"vLLM: {len(flat)} prompts, with the head ({method}, k={list(ks)}) and without, in {dtype}"):
@@ -232,6 +239,8 @@ def vllm_reports(
         "device": "cuda" if torch.cuda.is_available() else "cpu", "dtype": dtype,
         "vllm_version": result.get("vllm_version"), **versions(),
     }
+    hf_model = functools.cache(lambda: referee if referee is not None else load_target(
+        target_dir, dtype=dtype, device="cpu", trust_remote_code=trust_remote_code).model)  # once for every k
     reports = {}
     for k in ks:
         runs = _prompt_runs(sets, flat, engines[f"k{k}"]["single"], plains)
@@ -250,7 +259,7 @@ def vllm_reports(
             "speed_model": fit_speed_model(speed_points(all_runs), k + 1),  # a chain of k: k + 1 tokens a step
             "batched": _batched_summary(engines, f"k{k}"),
             "batch_sweep": _batch_sweep(engines, f"k{k}", k, cfg.vllm.batch_schedule),
-            "greedy_mismatches": _referee(all_runs, target_dir, dtype, trust_remote_code) if cfg.baseline else None,
+            "greedy_mismatches": _referee(all_runs, hf_model, dtype) if cfg.baseline else None,
             "prompts": [prompt_record(r) for r in all_runs],
         }
     return reports
@@ -258,15 +267,16 @@ def vllm_reports(
 
 def evaluate_vllm(
     cfg: EvalConfig, target_name: str, dtype: str, trust_remote_code: bool = False, console: Any = None,
-    write: bool = True,
+    write: bool = True, referee: Any = None,
 ) -> dict[str, Any]:
     """Decode ``cfg.prompts`` through vLLM with and without the head in ``cfg.draft`` (a chain of
-    ``cfg.vllm.num_speculative_tokens``); returns the report, and with ``write`` writes and prints it."""
+    ``cfg.vllm.num_speculative_tokens``); returns the report, and with ``write`` writes and prints it.
+    ``referee``: as in :func:`vllm_reports`."""
     from rich.console import Console
 
     console = console or Console()
     k = cfg.vllm.num_speculative_tokens
-    report = vllm_reports(cfg, target_name, dtype, [k], trust_remote_code, console)[k]
+    report = vllm_reports(cfg, target_name, dtype, [k], trust_remote_code, console, referee)[k]
     if write:
         write_json_atomic(report, cfg.report)
         print_vllm_report(report, console)
@@ -399,7 +409,8 @@ def print_parity(result: dict[str, Any], console: Any) -> None:
                   highlight=False)
 
 
-def evaluate_both(cfg: EvalConfig, target: Any, target_name: str, console: Any = None) -> dict[str, Any]:
+def evaluate_both(cfg: EvalConfig, target: Any, target_name: str, console: Any = None,
+                  trust_remote_code: bool = False) -> dict[str, Any]:
     """The HF loop (tree + a chain as long as vLLM's, the head in the target's dtype) and vLLM on the same
     prompts, their parity, one report; raises :class:`ParityError` (after writing it) when parity fails."""
     from rich.console import Console
@@ -410,7 +421,8 @@ def evaluate_both(cfg: EvalConfig, target: Any, target_name: str, console: Any =
     dtype = str(target.dtype).removeprefix("torch.")
     hf_cfg = replace(cfg, chain_depth=cfg.vllm.num_speculative_tokens, draft_dtype=None)
     report = evaluate(hf_cfg, target, console=console)
-    vllm_report = evaluate_vllm(cfg, target_name, dtype, console=console, write=False)
+    vllm_report = evaluate_vllm(cfg, target_name, dtype, trust_remote_code, console=console, write=False,
+                                referee=target.model if target.model.device.type == "cpu" else None)
     print_vllm_report(vllm_report, console)
     result = parity(report, vllm_report)
     print_parity(result, console)

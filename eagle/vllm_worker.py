@@ -104,11 +104,13 @@ def _in_turn(names: list[str], i: int) -> list[str]:
 
 
 def sweep_groups(n: int, b: int) -> list[list[int]]:
-    """Prompt indices in ceil(n / b) groups of b: group g takes g, g + G, g + 2G, ... (mod n), so that every
-    prompt is in a group and each group mixes the prompt sets (they come one after another), the last few taken
-    twice when b does not divide n."""
+    """Prompt indices (b <= n) in G = ceil(n / b) groups of b distinct prompts: the indices in strided order
+    (0, G, 2G, ..., then 1, G + 1, ...) so that each group mixes the prompt sets (they come one after another),
+    cut into consecutive groups, the last one filled up from the start. Every prompt is in a group; when b does
+    not divide n a few are in two, never twice in one (a request twice in a batch would share its prefill)."""
     count = -(-n // b)
-    return [[(g + count * j) % n for j in range(b)] for g in range(count)]
+    order = [i for g in range(count) for i in range(g, n, count)]
+    return [[order[(g * b + j) % n] for j in range(b)] for g in range(count)]
 
 
 def _sweep(job: Job, engines: dict[str, Any], prompts: list[Any], sampling: Any) -> dict[str, dict[str, Any]]:

@@ -37,7 +37,7 @@ def run(cfg: RunConfig) -> dict[str, Any]:
         if cfg.eval.engine == "both":
             from eagle.vllm_eval import evaluate_both
 
-            report = evaluate_both(cfg.eval, target, cfg.target.name)
+            report = evaluate_both(cfg.eval, target, cfg.target.name, trust_remote_code=cfg.target.trust_remote_code)
         else:
             report = evaluate(cfg.eval, target)
     if update_eval_section(draft, report):

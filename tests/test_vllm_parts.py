@@ -126,7 +126,7 @@ def test_sweep_groups_cover_every_prompt_and_mix_the_sets():
 
     for n, b in ((24, 2), (24, 8), (24, 16), (40, 4), (7, 3), (5, 5)):
         groups = sweep_groups(n, b)
-        assert len(groups) == -(-n // b) and all(len(g) == b for g in groups)
+        assert len(groups) == -(-n // b) and all(len(set(g)) == len(g) == b for g in groups)  # b distinct each
         assert {i for g in groups for i in g} == set(range(n))  # nobody left out
     # two sets of 12 one after another: every group of 8 holds both, half and half
     assert all(sum(i < 12 for i in g) == 4 for g in sweep_groups(24, 8))
@@ -166,6 +166,31 @@ def test_a_sweep_it_cannot_fill_or_a_schedule_for_several_ks_is_refused():
     with pytest.raises(EagleError, match="one chain length"):
         _check_batch_settings(VllmConfig(batch_schedule=[[1, 2, 3], [3, 9, 0]]), [2, 3], 6)
     _check_batch_settings(VllmConfig(batch_sizes=[1, 4], batch_schedule=[[1, 2, 3], [3, 9, 0]]), [3], 6)
+    with pytest.raises(EagleError, match="eval.baseline=true"):  # a sweep measured against nothing
+        _check_batch_settings(VllmConfig(batch_sizes=[1, 4]), [3], 6, baseline=False)
+
+
+def test_vllm_gets_the_dtype_by_its_own_name(tmp_path, monkeypatch):
+    """target.dtype=bf16 is ours; vLLM's dtype names are bfloat16 / float32 / float16."""
+    import eagle.vllm_eval as V
+    from eagle.evaluate import EvalConfig
+
+    class Started(Exception):
+        pass
+
+    jobs = []
+
+    def run_job(job, what):
+        jobs.append(job)
+        raise Started
+
+    monkeypatch.setattr(V, "run_job", run_job)
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    cfg = EvalConfig(draft=str(tmp_path), max_prompts=2, max_new_tokens=8, prompt_lookup=False)
+    for given, name in (("bf16", "bfloat16"), (" FP32", "float32"), ("float16", "float16")):
+        with pytest.raises(Started):
+            V.vllm_reports(cfg, "smollm2-135m-instruct", given, [3])
+        assert jobs[-1].dtype == name
 
 
 def test_batch_schedule_is_none_when_the_head_always_or_never_pays():
