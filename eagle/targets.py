@@ -305,7 +305,8 @@ def attention_choices(device: str, attention: str = "auto") -> list[str]:
     from eagle.attention import register
 
     ours = register()  # so that target.attention may name it too
-    if attention != "auto":
+    attention = attention.strip()
+    if attention.lower() != "auto":
         return [attention]
     return ([ours] if device == "cpu" else []) + ["sdpa", "eager"]
 

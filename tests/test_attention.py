@@ -134,3 +134,30 @@ def test_a_cpu_loaded_target_bound_for_a_gpu_gets_stock_sdpa_back():
     suit_device(ours, torch.device("cuda", 0))  # only the choice changes: nothing moves
     assert ours.config._attn_implementation == "sdpa"
     assert ours.model.layers[0].self_attn.config._attn_implementation == "sdpa"
+
+
+def test_eval_and_collect_load_the_target_with_its_attention(tmp_path, monkeypatch):
+    """The recipes hand ``target.attention`` (as given, spaces and case of ``auto`` aside) to the loader."""
+    import eagle.targets
+    from recipes import collect as collect_recipe
+    from recipes import eval as eval_recipe
+    from recipes.config import load_config
+
+    class Loaded(Exception):
+        pass
+
+    seen = []
+
+    def loader(cfg, *args, **kwargs):
+        seen.append(eagle.targets.attention_choices("cpu", cfg.attention))
+        raise Loaded
+
+    monkeypatch.setattr(eagle.targets, "load_target", loader)
+    (tmp_path / "config.json").write_text("{}")
+    for attention in ("eager", " sdpa ", "Auto"):
+        cfg = load_config(None, [f"target.attention={attention}", f"eval.draft={tmp_path}", "target.device=cpu"])
+        for recipe in (eval_recipe, collect_recipe):
+            with pytest.raises(Loaded):
+                recipe.run(cfg)
+    auto = eagle.targets.attention_choices("cpu")
+    assert seen == [["eager"]] * 2 + [["sdpa"]] * 2 + [auto] * 2
