@@ -80,25 +80,25 @@ def _prompts(target_dir: str, sets: list[str], per_set: int) -> list[list[int]]:
 
 
 def profile(args: argparse.Namespace) -> dict[str, Any]:
-    from eagle.targets import resolve_target
     from eagle.vllm_engine import EngineSpec, Job, VllmConfig, worker_env
 
-    target_dir = resolve_target(args.target)
-    # the engines `eagle eval --engine vllm` builds, in its worker's environment, here in this process so that
-    # their methods can be timed
-    job = Job(kind="decode", target=target_dir, dtype=args.dtype, prompts=[], max_new_tokens=args.max_new_tokens,
+    # the engines `eagle eval --engine vllm` builds, in its worker's environment (offline before anything looks
+    # for the target), here in this process so that their methods can be timed
+    job = Job(kind="decode", target=args.target, dtype=args.dtype, prompts=[], max_new_tokens=args.max_new_tokens,
               engines=[EngineSpec("plain"), EngineSpec(f"k{args.k}", args.draft, args.k)], stop_token_ids=[],
               max_model_len=2048, vllm=VllmConfig(kv_cache_gb=args.kv_cache_gb))
     os.environ.update(worker_env(job))
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from eagle.targets import resolve_target
     from eagle.vllm_worker import build_engine
 
     clock = Clock()
     wrapped = [(level, f"{c}.{m}") for level, mod, c, m in PARTS if clock.wrap(mod, c, m)]
     if not wrapped or wrapped[0][1] != "EngineCore.step":
         raise SystemExit("this vLLM has no EngineCore.step to count steps by: the profile knows vLLM 0.32's V1 engine")
+    job.target = target_dir = resolve_target(args.target)
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in _prompts(target_dir, args.prompts, args.prompts_per_set)]
     engines = {e.name: build_engine(job, e, len(job.engines)) for e in job.engines}
     sampling = SamplingParams(max_tokens=args.max_new_tokens, temperature=0.0)
