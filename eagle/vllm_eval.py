@@ -284,17 +284,27 @@ def evaluate_vllm(
     return report
 
 
+def batched_line(report: dict[str, Any]) -> str | None:
+    """The report's all-prompts-at-once run in one line (None without one)."""
+    batched = report.get("batched")
+    if not batched:
+        return None
+    tau = batched["acceptance_length_mean"]
+    # vLLM counts acceptance over the steps that drafted; under a served schedule those may be few or none
+    scheduled = (report.get("settings") or {}).get("vllm", {}).get("batch_schedule")
+    tau_text = ("no step drafted" if tau is None else f"tau {tau:.2f}") + (
+        " over the steps that drafted (a batch schedule is served)" if scheduled and tau is not None else "")
+    return (f"vLLM batched ({batched['num_prompts']} prompts at once): {batched['tokens_per_second']:.1f} tok/s "
+            f"with the head vs {batched['baseline_tokens_per_second']:.1f} without ({batched['speedup']:.2f}x), "
+            f"{tau_text}")
+
+
 def print_vllm_report(report: dict[str, Any], console: Any) -> None:
     """The HF loop's table plus the batched line and the referee's note."""
     print_report_table(report, console)
-    batched = report.get("batched")
-    if batched:
-        console.print(
-            f"vLLM batched ({batched['num_prompts']} prompts at once): {batched['tokens_per_second']:.1f} tok/s "
-            f"with the head vs {batched['baseline_tokens_per_second']:.1f} without ({batched['speedup']:.2f}x), "
-            f"tau {batched['acceptance_length_mean'] or 0:.2f}",
-            highlight=False,
-        )
+    line = batched_line(report)
+    if line:
+        console.print(line, highlight=False)
     if report.get("batch_sweep"):
         console.print(f"vLLM {describe_sweep(report['batch_sweep'])}", highlight=False)
     note = mismatch_note(report["greedy_mismatches"]) if report.get("greedy_mismatches") else None

@@ -277,3 +277,16 @@ def test_a_failed_parity_check_exits_with_status_1_and_names_the_fields(monkeypa
     monkeypatch.setattr(recipes.eval, "run", failing)
     assert cli.main(["eval", "--engine", "both"]) == 1
     assert "eagle_aux_hidden_state_layer_ids" in capsys.readouterr().err
+
+
+def test_the_batched_line_says_when_no_step_drafted():
+    """Under a served schedule a large batch may draft in no step at all: no tau then, not a tau of 0."""
+    from eagle.vllm_eval import batched_line
+
+    batched = {"num_prompts": 24, "tokens_per_second": 300.0, "baseline_tokens_per_second": 360.0, "speedup": 0.83}
+    served = {"settings": {"vllm": {"batch_schedule": [[1, 2, 3], [3, 1024, 0]]}}}
+    assert batched_line({}) is None
+    assert batched_line({**served, "batched": {**batched, "acceptance_length_mean": None}}).endswith("no step drafted")
+    line = batched_line({**served, "batched": {**batched, "acceptance_length_mean": 1.5}})
+    assert "tau 1.50 over the steps that drafted" in line
+    assert batched_line({"batched": {**batched, "acceptance_length_mean": 1.8}}).endswith("(0.83x), tau 1.80")
