@@ -311,6 +311,11 @@ def attention_choices(device: str, attention: str = "auto") -> list[str]:
     return ([ours] if device == "cpu" else []) + ["sdpa", "eager"]
 
 
+def _about_attention(error: Exception) -> bool:
+    """Whether a loading error is about the attention implementation (flash_attn / FlashAttention included)."""
+    return any(word in str(error).lower() for word in ("attention", "attn", "sdpa"))
+
+
 def _from_pretrained(path: str, choices: list[str], kwargs: dict) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -318,13 +323,13 @@ def _from_pretrained(path: str, choices: list[str], kwargs: dict) -> torch.nn.Mo
         try:
             return AutoModelForCausalLM.from_pretrained(path, attn_implementation=impl, **kwargs)
         except ValueError as e:  # an architecture without this attention: try the next one
-            if not any(word in str(e).lower() for word in ("attention", "attn", "sdpa")):
+            if not _about_attention(e):
                 raise
             log.info("target %s: attn_implementation=%s unsupported (%s); trying the next", path, impl, e)
     try:
         return AutoModelForCausalLM.from_pretrained(path, attn_implementation=choices[-1], **kwargs)
     except (ValueError, ImportError) as e:
-        if len(choices) > 1 or not any(word in str(e).lower() for word in ("attention", "attn", "sdpa", "flash")):
+        if len(choices) > 1 or not _about_attention(e):
             raise
         first = str(e).strip().splitlines()[0]
         raise EagleError(

@@ -196,7 +196,7 @@ def _prompt_runs(sets: list, flat: list, spec: list[dict[str, Any]],
     return runs
 
 
-def _decode_job(cfg: EvalConfig, target_dir: str, dtype: str, ks: Sequence[int],
+def _decode_job(cfg: EvalConfig, draft: str, target_dir: str, dtype: str, ks: Sequence[int],
                 trust_remote_code: bool) -> tuple[list, list, Job]:
     """The prompt sets, the prompts in one list of (set, id, token ids), and the worker's job that decodes them
     with a head engine per k and (``cfg.baseline``) a plain one."""
@@ -209,7 +209,7 @@ def _decode_job(cfg: EvalConfig, target_dir: str, dtype: str, ks: Sequence[int],
     _check_batch_settings(cfg.vllm, ks, len(flat), cfg.baseline)
     job = Job(
         kind="decode", target=target_dir, dtype=dtype,
-        engines=[EngineSpec(f"k{k}", str(Path(cfg.draft)), k, cfg.vllm.batch_schedule) for k in ks]
+        engines=[EngineSpec(f"k{k}", draft, k, cfg.vllm.batch_schedule) for k in ks]
         + ([EngineSpec("plain")] if cfg.baseline else []),
         prompts=[ids for _, _, ids in flat], max_new_tokens=cfg.max_new_tokens, stop_token_ids=eos,
         max_model_len=_max_model_len(target_dir, max(len(ids) for *_, ids in flat), cfg.max_new_tokens, max(ks),
@@ -239,7 +239,7 @@ def vllm_reports(
     draft = str(Path(cfg.draft))
     method = speculative_method(draft) or "speculators"
     target_dir = resolve_target(target_name)
-    sets, flat, job = _decode_job(cfg, target_dir, dtype, ks, trust_remote_code)
+    sets, flat, job = _decode_job(cfg, draft, target_dir, dtype, ks, trust_remote_code)
     eos = job.stop_token_ids
     with console.status(f"vLLM: {len(flat)} prompts, with the head ({method}, k={list(ks)}) and without, in {dtype}"):
         result = run_job(job, "eagle eval --engine vllm")
