@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from eagle.errors import EagleError
+
 MAX_BATCH = 1024  # the "off" range's end: vLLM clips the schedule to its own max_num_seqs and carries the last k on
 
 
@@ -25,6 +27,12 @@ def sweep_row(batch_size: int, tokens: int, seconds: float, base_tokens: int, ba
     """One measured batch size: pooled tokens/s with the head and without, their ratio, outputs equal to plain,
     and the head's drafted tokens per generated token (about k / tau where it drafts every step, near 0 where a
     schedule turned it off: the direct sign that the engine followed the schedule; None when not counted)."""
+    if base_tokens <= 0:
+        raise EagleError(f"the plain engine generated no tokens at batch size {batch_size}, so there is no speedup "
+                         "to measure: every prompt ended at once; give prompts that need an answer")
+    if seconds <= 0 or base_seconds <= 0:
+        raise EagleError(f"a timed run took no time at batch size {batch_size} ({seconds} s with the head, "
+                         f"{base_seconds} s without): the records are not from a timed run")
     tps, base = tokens / seconds, base_tokens / base_seconds
     return {"batch_size": batch_size, "tokens_per_second": tps, "baseline_tokens_per_second": base,
             "speedup": tps / base, "requests": len(matches),

@@ -49,6 +49,11 @@ def _fmt(value: Any, spec: str = ".2f", suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
+def _percent(share: float | None) -> str:
+    """A share as a whole percentage ("-" when not measured)."""
+    return _fmt(None if share is None else 100 * share, ".0f", "%")
+
+
 def _tree_text(tree: dict[str, Any]) -> str:
     lookup = ""
     if tree.get("lookup_ngram"):
@@ -97,7 +102,7 @@ def table_row(name: str, report: dict[str, Any]) -> str:
         _fmt(sets.get("dev-code", {}).get("acceptance_length_mean")),
         _fmt(overall.get("speedup"), ".2f", "x"),
         _fmt(overall.get("prompt_lookup_speedup"), ".2f", "x"),
-        _fmt(None if match is None else 100 * match, ".0f", "%"),
+        _percent(match),
     ]
     return "| " + " | ".join(cells) + " |"
 
@@ -181,16 +186,18 @@ def render_vllm_table(reports: list[tuple[Path, dict]]) -> str:
         for row in data["rows"]:
             report = data["reports"][f"{row['dtype']}-k{row['k']}"]
             eager = report["settings"]["vllm"].get("enforce_eager")
-            match = _fmt(100 * row["greedy_match_rate"], ".0f", "%")
+            match = _percent(row.get("greedy_match_rate"))
+            first = (row.get("per_position") or [None])[0]
             mm = row.get("mismatches") or {}
             if mm.get("mismatched"):
                 others = f", {mm['not_near_ties']} not" if mm.get("not_near_ties") else ""
                 match += f" ({mm['near_ties']} near-ties{others})"
             rows.append(
                 f"| {path.stem} | `{data['draft']}` | {row['dtype']} | {row['k']} | {'eager' if eager else 'compiled'} "
-                f"| {len(report.get('prompts', []))} | {row['tau']:.2f} | {row['per_position'][0]:.2f} "
-                f"| {row['tok_s_plain']:.1f} | {row['tok_s_spec']:.1f} | {row['speedup']:.2f}x "
-                f"| {_per_prompt_speedup(report)} | {_fmt(row['batched_speedup'], '.2f', 'x')} | {match} "
+                f"| {len(report.get('prompts', []))} | {_fmt(row.get('tau'))} | {_fmt(first)} "
+                f"| {_fmt(row.get('tok_s_plain'), '.1f')} | {_fmt(row.get('tok_s_spec'), '.1f')} "
+                f"| {_fmt(row.get('speedup'), '.2f', 'x')} | {_per_prompt_speedup(report)} "
+                f"| {_fmt(row.get('batched_speedup'), '.2f', 'x')} | {match} "
                 f"| {_tau_for_2x(report, row['k'])} |"
             )
     return "\n".join(rows)
@@ -208,9 +215,10 @@ def render_batch_table(reports: list[tuple[Path, dict]]) -> str:
             drafts = drafted_text(row.get("drafts_per_token"), row.get("drafts_per_token_scheduled"))
             rows.append(
                 f"| {path.stem} | `{data['draft']}` | {row['dtype']} | {data['k']} | {row['batch_size']} "
-                f"| {row['tok_s_plain']:.1f} | {row['tok_s_head']:.1f} | {row['speedup']:.2f}x "
-                f"| `{data['schedules'].get(row['dtype'])}` | {_fmt(row['speedup_scheduled'], '.2f', 'x')} "
-                f"| {_fmt(100 * row['greedy_match_rate'], '.0f', '%')} | {drafts} |"
+                f"| {_fmt(row.get('tok_s_plain'), '.1f')} | {_fmt(row.get('tok_s_head'), '.1f')} "
+                f"| {_fmt(row.get('speedup'), '.2f', 'x')} | `{data['schedules'].get(row['dtype'])}` "
+                f"| {_fmt(row.get('speedup_scheduled'), '.2f', 'x')} | {_percent(row.get('greedy_match_rate'))} "
+                f"| {drafts} |"
             )
     return "\n".join(rows)
 

@@ -403,6 +403,18 @@ def test_benchmark_table_is_rebuilt_from_all_results(tmp_path):
     vllm["rows"], vllm["reports"] = rows[:1], {"float32-k3": {**reports["float32-k3"], "prompts": fitted}}
     (tmp_path / "f.json").write_text(json.dumps(vllm))
     assert "| 3.00 ± 0.00 (2.50x) |" in bench.update_readme(tmp_path).read_text()
+    # rows with unmeasured values (None) render as "-" instead of stopping the whole rebuild
+    holes = {"tok_s_plain": None, "tok_s_spec": None, "speedup": None, "greedy_match_rate": None, "tau": None,
+             "per_position": []}
+    vllm["rows"] = [{**rows[0], **holes}]
+    (tmp_path / "f.json").write_text(json.dumps(vllm))
+    batch = {"kind": "vllm-batch-schedule", "draft": "d", "k": 3, "schedules": {},
+             "rows": [{"dtype": "float32", "batch_size": 2, "tok_s_plain": None, "tok_s_head": 3.0, "speedup": None,
+                       "speedup_scheduled": None, "greedy_match_rate": None}]}
+    (tmp_path / "g.json").write_text(json.dumps(batch))
+    text = bench.update_readme(tmp_path).read_text()
+    assert "| f | `runs/demo/export` | float32 | 3 | compiled | 10 | - | - | - | - | - |" in text
+    assert "| g | `d` | float32 | 3 | 2 | - | 3.0 | - | `None` | - | - | - |" in text
 
 
 def test_time_limit_runs_the_sets_in_turn_and_keeps_a_minimum(tmp_path, target, draft_dir, monkeypatch):

@@ -226,6 +226,16 @@ def test_batch_sweep_from_worker_records():
     assert "drafted tokens per generated token: 1: 0.60, 2: 0.60, 4: 0.00" in describe_sweep(served)
 
 
+def test_a_sweep_row_without_plain_tokens_is_refused_by_name():
+    """A batch size where the plain engine wrote nothing (every prompt ended at once) has no speedup: a clear
+    error that says so, not a division by zero."""
+    assert sweep_row(2, 30, 1.5, 20, 1.0, [True, True])["speedup"] == 1.0
+    with pytest.raises(EagleError, match="plain engine generated no tokens at batch size 2"):
+        sweep_row(2, 30, 1.5, 0, 1.0, [True, True])
+    with pytest.raises(EagleError, match="took no time at batch size 4"):
+        sweep_row(4, 30, 0.0, 20, 1.0, [True])
+
+
 def test_speculative_config_carries_a_batch_schedule(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
     spec = speculative_config(tmp_path, 3, [[1, 4, 3], [5, 1024, 0]])
