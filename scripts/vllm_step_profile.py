@@ -145,7 +145,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--draft", required=True)
     parser.add_argument("--target", default="smollm2-135m-instruct")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])  # vLLM's names
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--prompts", nargs="+", default=["dev-chat", "dev-code"])
     parser.add_argument("--prompts-per-set", type=int, default=6)
