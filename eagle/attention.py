@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from eagle.errors import EagleError
+
 SDPA_GQA = "sdpa_gqa"
 
 
@@ -35,6 +37,12 @@ def sdpa_gqa_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """One attention call: ``query`` [B, H, q, d], ``key`` / ``value`` [B, H_kv, kv, d] -> ([B, q, H, d], None)."""
+    for name in ("softcap", "s_aux"):  # attention-logit soft-capping (Gemma 2), attention sinks (gpt-oss)
+        if kwargs.get(name) is not None:
+            raise EagleError(
+                f"{type(module).__name__} asks attention for {name!r}, which {SDPA_GQA} cannot apply; load this model "
+                "with target.attention=eager (auto does so for the families it knows)"
+            )
     grouped = query.shape[1] != key.shape[1]
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     # without a mask, the mask builder has vouched that the causal pattern is all there is: a single query, or a

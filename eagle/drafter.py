@@ -21,7 +21,7 @@ from eagle.devices import model_device
 from eagle.errors import EagleError
 from eagle.heads import HeadCache
 from eagle.targets import cpu_has_fast_bf16, parse_dtype
-from eagle.tree import DraftTree, TreeConfig, build_tree
+from eagle.tree import DraftTree, TreeConfig, build_tree, tree_from_parents
 
 
 @runtime_checkable
@@ -281,3 +281,21 @@ class OracleDrafter:
         if self.last_root is None:
             raise EagleError("OracleDrafter.accept called before draft")
         self.committed += [self.last_root] + next_tokens.tolist()[:-1]
+
+
+class LookupDrafter:
+    """Drafts nothing itself: every tree is its root alone, to which the loop grafts the prompt-lookup branch
+    (``TreeConfig.lookup_ngram``). Prompt lookup decoding inside eagle's loop, for the targets transformers' own
+    prompt lookup refuses (those with a recurrent state)."""
+
+    def prefill(self, input_ids: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_token: int) -> None:
+        """Nothing to remember: the loop keeps the history the lookup reads."""
+
+    def draft(self, root_token: int, tree_cfg: TreeConfig) -> DraftTree:
+        """The root alone."""
+        return tree_from_parents([int(root_token)], [-1])
+
+    def accept(
+        self, accepted: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_tokens: torch.Tensor
+    ) -> None:
+        """Nothing to commit."""

@@ -27,18 +27,19 @@ from typing import Any
 import torch
 
 from eagle.autotune import DEFAULT_CANDIDATES, autotune_total_tokens, max_tree_nodes
+from eagle.cache import has_recurrent_state
 from eagle.deadline import Deadline, check_minutes
 from eagle.devices import model_device, sync
-from eagle.drafter import Drafter, HeadDrafter, resolve_draft_dtype
+from eagle.drafter import Drafter, HeadDrafter, LookupDrafter, resolve_draft_dtype
 from eagle.errors import CheckFailed, EagleError
 from eagle.exactness import diagnose_mismatch, mismatch_note, mismatch_summary
 from eagle.fileio import write_json_atomic
 from eagle.metrics import PromptRun, print_report_table, prompt_record, summarize, versions
 from eagle.prompts import load_prompt_sets
 from eagle.sampling import Sampling, check_warping
-from eagle.speculate import plain_generate, speculative_generate
+from eagle.speculate import plain_generate, speculative_generate, verification_mode
 from eagle.speed_model import fit_speed_model, speed_points
-from eagle.tree import TreeConfig, deepest_node, verify_tokens
+from eagle.tree import TreeConfig, as_chain, deepest_node, verify_tokens
 from eagle.vllm_engine import VllmConfig
 
 METHODS = ("speculative", "chain", "plain", "prompt_lookup")
@@ -145,7 +146,15 @@ def _cut_at_eos(tokens: list[int], eos: Sequence[int]) -> list[int]:
 def prompt_lookup_generate(
     model: torch.nn.Module, input_ids: torch.Tensor, max_new_tokens: int, num_tokens: int, eos: Sequence[int]
 ) -> tuple[list[int], float]:
-    """transformers' prompt-lookup decoding (greedy): (new tokens cut to max_new_tokens and after EOS, seconds)."""
+    """transformers' prompt-lookup decoding (greedy): (new tokens cut to max_new_tokens and after EOS, seconds).
+
+    transformers refuses prompt lookup on targets with a recurrent state: they get the same method (n-grams of up
+    to 2 tokens, ``num_tokens`` proposed) in eagle's loop, which verifies them in chains."""
+    if has_recurrent_state(model):
+        tree = TreeConfig(policy="chain", depth=1, lookup_ngram=2, lookup_tokens=num_tokens)
+        result = speculative_generate(model, LookupDrafter(), input_ids, max_new_tokens, tree,
+                                      Sampling(eos_token_ids=tuple(eos)))
+        return result.tokens, result.total_time
     device = model_device(model)
     ids = input_ids.to(device)
     pad = eos[0] if eos else getattr(model.config, "pad_token_id", None)
@@ -256,8 +265,9 @@ def _check_context(sets, max_new_tokens: int, tree_tokens: int, target: Any) -> 
                 )
 
 
-def _tree_report(tree: TreeConfig, requested: Any, autotune: dict | None) -> dict[str, Any]:
+def _tree_report(tree: TreeConfig, requested: Any, autotune: dict | None, verification: str) -> dict[str, Any]:
     out = asdict(tree)
+    out["verification"] = verification  # tree, or chain for targets with a recurrent state
     out["total_tokens_requested"] = requested
     out["tree_tokens"] = verify_tokens(tree)
     out["autotune"] = autotune
@@ -296,6 +306,8 @@ def _plan_tree(cfg: EvalConfig, target: Any, drafter: Drafter, sets: list, sampl
     """The tree to decode with: ``eval.tree``, its size measured on this device when it is ``auto``. Checks
     first that every prompt fits the target's context with it."""
     tree_cfg = replace(cfg.tree).validate()
+    if verification_mode(target.model) == "chain":  # one path is verified: no tree size to tune
+        tree_cfg = as_chain(tree_cfg)
     if not (tree_cfg.policy == "dynamic" and tree_cfg.total_tokens == "auto"):
         _check_context(sets, cfg.max_new_tokens, verify_tokens(tree_cfg), target)
         return tree_cfg, None
@@ -450,7 +462,7 @@ def evaluate(
         "engine": "hf", **run_header(target), "head": head_path,
         "head_config": head.config.to_dict() if head is not None else None,
         "settings": _settings(cfg, skipped, eos, prepacked, draft_dtype),
-        "tree": _tree_report(tree_cfg, requested, autotune),
+        "tree": _tree_report(tree_cfg, requested, autotune, verification_mode(target.model)),
         "prompt_sets": {name: summarize([r for r in runs if r.set_name == name], cfg.temperature)
                         for name, _ in sets},
         "overall": summarize(runs, cfg.temperature),

@@ -27,6 +27,7 @@ from transformers.activations import ACT2FN
 
 from eagle.errors import EagleError
 from eagle.features import default_aux_layers
+from eagle.lazy_logits import TargetLogits
 
 KINDS = ("eagle1", "eagle3")
 INIT_STD = 0.02  # HF's default initializer_range
@@ -447,7 +448,8 @@ class _DraftHead(nn.Module):
                 nn.init.ones_(module.weight)
 
     def attach_target(self, target_model: nn.Module) -> _DraftHead:
-        """Borrow the target's (frozen) input embedding, and for eagle1 its lm_head; returns self."""
+        """Borrow the target's (frozen) input embedding, and for eagle1 its logits (lm_head and post-processing,
+        :class:`eagle.lazy_logits.TargetLogits`); returns self."""
         emb = target_model.get_input_embeddings()
         lm_head = target_model.get_output_embeddings() if self.config.kind == "eagle1" else None
         if emb.weight.shape[0] < self.config.vocab_size:
@@ -463,7 +465,8 @@ class _DraftHead(nn.Module):
         for m in (emb, lm_head):
             if m is not None:
                 m.requires_grad_(False)
-        self._target_modules = _Borrowed((emb,) if lm_head is None else (emb, lm_head))
+        # eagle1 drafts through the target's logits, its post-processing (scale, soft-cap) included
+        self._target_modules = _Borrowed((emb,) if lm_head is None else (emb, TargetLogits(target_model)))
         return self
 
     @property

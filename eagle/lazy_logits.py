@@ -21,7 +21,6 @@ from typing import Any
 import torch
 
 from eagle.targets import last_logits_only
-from eagle.tree import DraftTree
 from eagle.verify import LazyRows
 
 # model -> its hidden-to-logits map, or None where lazy logits do not reproduce its logits (checked once)
@@ -30,29 +29,61 @@ _LOGIT_MAPS: weakref.WeakKeyDictionary[torch.nn.Module, Callable[[torch.Tensor],
 )
 
 
+def _logit_scales(config: Any) -> list[float]:
+    """The factors a family's forward multiplies ``lm_head(h)`` by, most likely first: Cohere's ``logit_scale``;
+    Granite divides by ``logits_scaling`` (HyperCLOVAX multiplies by a field of the same name, so both);
+    Falcon-H1's ``lm_head_multiplier``."""
+    if getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+        return [float(config.logit_scale)]
+    if getattr(config, "logits_scaling", None) not in (None, 1, 1.0):
+        return [1.0 / float(config.logits_scaling), float(config.logits_scaling)]
+    if getattr(config, "lm_head_multiplier", None) not in (None, 1, 1.0):
+        return [float(config.lm_head_multiplier)]
+    return [1.0]
+
+
+def _postprocessing(scale: float, cap: float | None) -> Callable[[torch.Tensor], torch.Tensor]:
+    def post(logits: torch.Tensor) -> torch.Tensor:
+        if scale != 1.0:
+            logits = logits * scale
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return post
+
+
 def _postprocessing_candidates(model: torch.nn.Module) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     """Candidate maps from ``lm_head(h)`` to the model's logits, from the post-processing some families apply:
-    Cohere multiplies by ``logit_scale``; Granite divides by ``logits_scaling`` (HyperCLOVAX multiplies by a
-    field of the same name, so both are candidates); Gemma caps with ``final_logit_softcapping``."""
+    a scale (:func:`_logit_scales`), then Gemma's soft-cap ``final_logit_softcapping``. Elementwise, so they
+    apply as well to any subset of the vocabulary's columns."""
     cfg = model.config.get_text_config(decoder=True)
-    scales = [1.0]
-    if getattr(cfg, "logit_scale", None) not in (None, 1, 1.0):
-        scales = [float(cfg.logit_scale)]
-    elif getattr(cfg, "logits_scaling", None) not in (None, 1, 1.0):
-        scales = [1.0 / float(cfg.logits_scaling), float(cfg.logits_scaling)]
     cap = getattr(cfg, "final_logit_softcapping", None)
+    return [_postprocessing(scale, cap) for scale in _logit_scales(cfg)]
 
-    def make(scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
-        def post(logits: torch.Tensor) -> torch.Tensor:
-            if scale != 1.0:
-                logits = logits * scale
-            if cap:
-                logits = torch.tanh(logits / cap) * cap
-            return logits
 
-        return post
+class TargetLogits(torch.nn.Module):
+    """The target's logits from its last hidden state: its output embeddings, then the post-processing its
+    forward applies (:func:`_postprocessing_candidates`, the most likely one). Training labels must be the
+    target's own distribution: Cohere's logits are scaled by 1/16, so softmax of the raw lm_head would be another,
+    far sharper distribution. ``weight`` / ``bias`` are the lm_head's (losses read rows of them), ``post`` maps
+    raw logits (any subset of the vocabulary's columns) to the target's."""
 
-    return [make(s) for s in scales]
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self._lm_head = (model.get_output_embeddings(),)  # borrowed, not registered: never saved or wrapped
+        self.post = _postprocessing_candidates(model)[0]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._lm_head[0].weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return getattr(self._lm_head[0], "bias", None)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.post(self._lm_head[0](hidden))
 
 
 def logit_map(model: torch.nn.Module, prefill_out: Any) -> Callable[[torch.Tensor], torch.Tensor] | None:
@@ -88,14 +119,6 @@ def _compose(
         return post(lm_head(hidden))
 
     return logits
-
-
-def likely_path(tree: DraftTree) -> list[int]:
-    """The root and its first child at every level: the draft's best guess of the path verification accepts."""
-    path = [0]
-    while kids := tree.children(path[-1]):
-        path.append(kids[0])
-    return path
 
 
 def node_logits(

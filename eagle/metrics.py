@@ -167,6 +167,8 @@ def print_report_table(report: dict[str, Any], console: Any = None) -> None:
     size = f", {tree['total_tokens']} tokens" if tree["policy"] == "dynamic" else ""
     if tree.get("lookup_ngram"):
         size += f" + lookup branch of {tree['lookup_tokens']}" if tree.get("lookup_tokens") else " + lookup branch"
+    if tree.get("verification") == "chain":
+        size += ", one path verified a step (recurrent state)"
     table = Table(
         box=box.SIMPLE_HEAD,
         padding=(0, 1),

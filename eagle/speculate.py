@@ -24,14 +24,32 @@ import torch
 from transformers import DynamicCache
 
 from eagle.attention import SDPA_GQA
-from eagle.cache import gather_cache
+from eagle.cache import (
+    check_continuation,
+    crop_cache,
+    gather_cache,
+    has_recurrent_state,
+    new_cache,
+    restore_states,
+    snapshot_states,
+)
 from eagle.devices import model_device, model_dtype, sync
 from eagle.drafter import Drafter
 from eagle.errors import EagleError
-from eagle.lazy_logits import likely_path, logit_map, node_logits
+from eagle.lazy_logits import logit_map, node_logits
 from eagle.sampling import Sampling
 from eagle.targets import cache_kwarg, last_logits_only
-from eagle.tree import DraftTree, TreeConfig, deepest_node, graft_chain, lookup_continuation, lookup_length
+from eagle.tree import (
+    DraftTree,
+    TreeConfig,
+    as_chain,
+    deepest_node,
+    graft_chain,
+    likely_path,
+    lookup_continuation,
+    lookup_length,
+    path_tree,
+)
 from eagle.verify import Decisions, LazyRows, as_decisions, verify_greedy, verify_sampling
 
 _MASKABLE_ATTENTION = ("eager", "sdpa", SDPA_GQA)
@@ -43,10 +61,14 @@ class GenerationResult:
 
     ``tokens``: the new tokens (the first comes from the prefill). ``accept_lengths``: per verification forward,
     accepted drafts + 1. ``target_forwards``: verification (or decode) forwards, the prefill excluded.
-    ``accepted_per_depth[d - 1]``: how many accepted drafts sat at depth d. Times in seconds.
+    ``accepted_per_depth[d - 1]``: how many accepted drafts sat at depth d. ``verification``: tree or chain
+    (:func:`verification_mode`); ``replay_forwards``: the extra target forwards of chain verification (a replay of
+    the accepted tokens after a rejection, counted apart from ``target_forwards``). Times in seconds.
     """
 
     tokens: list[int]
+    verification: str = "tree"
+    replay_forwards: int = 0
     accept_lengths: list[int] = field(default_factory=list)
     target_forwards: int = 0
     accepted_per_depth: list[int] = field(default_factory=list)
@@ -96,25 +118,40 @@ def _check_inputs(model: torch.nn.Module, input_ids: torch.Tensor, max_new_token
         raise EagleError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
 
 
-def _layer_windows(model: torch.nn.Module) -> dict[str, int | None]:
-    """Attention window per layer type of the target (None = full attention)."""
+# layer types that hold a recurrent state instead of keys and values (no attention mask reaches them here)
+_RECURRENT_LAYER_TYPES = ("linear_attention", "conv", "hybrid", "moe", "mlp")
+
+
+def _layer_windows(model: torch.nn.Module) -> dict[str, tuple[str, int] | None]:
+    """The attention pattern per layer type of the target: None = full attention, ("window", w) = a sliding
+    window of w positions, ("chunk", c) = attention within chunks of c positions."""
     cfg = model.config.get_text_config(decoder=True)
     window = getattr(cfg, "sliding_window", None)
     types = getattr(cfg, "layer_types", None)
     if types is None:  # e.g. Mistral: every layer uses config.sliding_window (None = full attention)
-        return {"all": window}
-    windows: dict[str, int | None] = {}
+        return {"all": None if window is None else ("window", window)}
+    windows: dict[str, tuple[str, int] | None] = {}
     for kind in set(types):
         if kind == "full_attention":
             windows[kind] = None
         elif kind == "sliding_attention":
-            windows[kind] = window
-        else:
+            windows[kind] = ("window", window)
+        elif kind == "chunked_attention":
+            windows[kind] = ("chunk", int(cfg.attention_chunk_size))
+        elif kind not in _RECURRENT_LAYER_TYPES:
             raise EagleError(
-                f"target layer type {kind!r} is not supported by tree verification (only full and sliding-window "
-                "attention layers are); use plain decoding for this model"
+                f"target layer type {kind!r} is not supported by speculative verification (full, sliding-window, "
+                "chunked attention and recurrent layers are); use plain decoding for this model"
             )
     return windows
+
+
+def verification_mode(model: torch.nn.Module) -> str:
+    """How drafts are verified on this target: ``tree`` (one forward over the whole tree through a tree attention
+    mask, the key/value cache cut back to the accepted path) or ``chain`` (targets with a recurrent state, which
+    a tree cannot pass through in one forward: the drafter's first-choice path is verified, and the state is
+    snapshotted before and replayed over the accepted tokens when part of the path is rejected)."""
+    return "chain" if has_recurrent_state(model) else "tree"
 
 
 def _check_target(model: torch.nn.Module) -> None:
@@ -128,31 +165,39 @@ def _check_target(model: torch.nn.Module) -> None:
 
 
 def tree_attention_mask(
-    tree: DraftTree, prefix_len: int, window: int | None = None, dtype: torch.dtype = torch.float32
+    tree: DraftTree, prefix_len: int, window: int | None = None, dtype: torch.dtype = torch.float32,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """Additive 4D mask [1, 1, N, prefix_len + N] (0 = attend, dtype min = blocked) for verifying ``tree``.
 
     Every node sees the whole prefix and its own ancestors. With a sliding ``window``, a query at position q
-    sees only keys at positions > q - window, as in transformers' sliding-window masks (node positions are
-    prefix_len + depth, the positions they would have after acceptance). Additive rather than bool because
-    eager attention adds the mask to the scores.
+    sees only keys at positions > q - window, as in transformers' sliding-window masks; with a ``chunk``, only
+    keys in its own chunk of positions (q // chunk), as in chunked attention (node positions are prefix_len +
+    depth, the positions they would have after acceptance). Additive rather than bool because eager attention
+    adds the mask to the scores.
     """
     n = tree.size
     device = tree.tokens.device
     allowed = torch.ones(n, prefix_len + n, dtype=torch.bool, device=device)
     allowed[:, prefix_len:] = tree.attn_mask
-    if window is not None:
+    if window is not None or chunk is not None:
         q_pos = prefix_len + tree.depths
         k_pos = torch.cat([torch.arange(prefix_len, device=device), q_pos])
-        allowed &= k_pos[None, :] > (q_pos[:, None] - window)
+        if window is not None:
+            allowed &= k_pos[None, :] > (q_pos[:, None] - window)
+        if chunk is not None:
+            allowed &= (k_pos[None, :] // chunk) == (q_pos[:, None] // chunk)
     mask = torch.zeros(n, prefix_len + n, dtype=dtype, device=device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None]
 
 
 def _verify_mask(model: torch.nn.Module, tree: DraftTree, prefix_len: int, dtype: torch.dtype) -> Any:
-    windows = _layer_windows(model)
-    masks = {kind: tree_attention_mask(tree, prefix_len, w, dtype) for kind, w in windows.items()}
+    masks = {}
+    for kind, pattern in _layer_windows(model).items():
+        shape, size = pattern or ("full", None)
+        masks[kind] = tree_attention_mask(tree, prefix_len, size if shape == "window" else None, dtype,
+                                          size if shape == "chunk" else None)
     # one tensor when all layers agree; models with mixed layer types take a dict keyed by layer type
     return next(iter(masks.values())) if len(masks) == 1 else masks
 
@@ -193,38 +238,42 @@ class Stopper:
 
 def prefill(model: torch.nn.Module, input_ids: torch.Tensor, sampling: Sampling,
             generator: torch.Generator | Decisions | None) -> tuple[int, Any, DynamicCache]:
-    """One forward over the prompt: (the first new token, the model output with hidden states, the KV cache).
+    """One forward over the prompt: (the first new token, the model output with hidden states, the cache).
 
     A full-size cache even for sliding-window layers: rejected drafts must be removable, and our masks apply the
-    windows."""
-    cache = DynamicCache()
+    windows (:func:`eagle.cache.new_cache`)."""
+    cache = new_cache(model)
     out = model(input_ids, use_cache=True, output_hidden_states=True, **{cache_kwarg(model): cache},
                 **last_logits_only(model))
     return choose(out.logits[0, -1], sampling, generator), out, cache
 
 
-def draft(drafter: Drafter, tokens: list[int], tree_cfg: TreeConfig, prompt_ids: list[int]) -> DraftTree:
+def draft(drafter: Drafter, tokens: list[int], tree_cfg: TreeConfig, prompt_ids: list[int],
+          chain: bool = False) -> DraftTree:
     """The drafter's tree rooted at the last token, with the prompt-lookup branch grafted in (on the CPU:
-    verification walks it there)."""
+    verification walks it there). ``chain``: only its first-choice path (see :func:`verification_mode`)."""
     tree = drafter.draft(tokens[-1], tree_cfg).to("cpu")
     if tree_cfg.lookup_ngram:
         history = prompt_ids + tokens
         tree = graft_chain(tree, lookup_continuation(history, tree_cfg.lookup_ngram, lookup_length(tree_cfg)))
-    return tree
+    return path_tree(tree, likely_path(tree)) if chain else tree
 
 
 def verify(model: torch.nn.Module, tree: DraftTree, cache: DynamicCache, prefix_len: int, sampling: Sampling,
-           generator: torch.Generator | Decisions | None, lazy: Any) -> tuple[torch.Tensor, int, Any]:
+           generator: torch.Generator | Decisions | None, lazy: Any, chain: bool = False
+           ) -> tuple[torch.Tensor, int, Any]:
     """One target forward over the tree, then verification: (accepted node indices, the next token, the output).
 
     The cache keeps the prefix plus the accepted path. ``lazy``: the model's logit map (:mod:`eagle.lazy_logits`)
-    or None for full logits."""
+    or None for full logits. ``chain``: the tree is one path, run through a cache with recurrent layers
+    (:func:`verification_mode`); their states are brought to the accepted prefix by :func:`replay`."""
     device = model_device(model)
     nodes = tree.to(device)
     kept = likely_path(tree) if lazy is not None else []
+    saved = snapshot_states(cache) if chain else None
     out = model(
         nodes.tokens[None],
-        attention_mask=_verify_mask(model, nodes, prefix_len, model_dtype(model)),
+        attention_mask=None if chain else _verify_mask(model, nodes, prefix_len, model_dtype(model)),
         position_ids=(prefix_len + nodes.depths)[None],
         use_cache=True,
         output_hidden_states=True,
@@ -237,8 +286,23 @@ def verify(model: torch.nn.Module, tree: DraftTree, cache: DynamicCache, prefix_
     else:
         probs = LazyRows(lambda node: sampling.probs(logits[node]))  # warped one visited row at a time
         accepted, next_token = verify_sampling(tree, probs, generator)
-    gather_cache(cache, torch.cat([torch.arange(prefix_len), prefix_len + accepted]))
+    if not chain:
+        gather_cache(cache, torch.cat([torch.arange(prefix_len), prefix_len + accepted]))
+    elif accepted.numel() < tree.size:
+        replay(model, cache, saved, nodes.tokens[accepted.to(device)], prefix_len)
     return accepted, next_token, out
+
+
+def replay(model: torch.nn.Module, cache: DynamicCache, saved: list, tokens: torch.Tensor, prefix_len: int) -> None:
+    """Bring a cache with recurrent layers to the prefix plus ``tokens`` after a part of the verified chain was
+    rejected: the recurrent states go back to their snapshot from before the verification (``saved``), the
+    key/value layers are cut to the prefix, and the accepted tokens run through the target once more. Exact:
+    the states are then those the target reaches by reading exactly the committed tokens."""
+    restore_states(cache, saved)
+    crop_cache(cache, prefix_len)
+    positions = prefix_len + torch.arange(tokens.numel(), device=tokens.device)
+    model(tokens[None], position_ids=positions[None], use_cache=True, **{cache_kwarg(model): cache},
+          **last_logits_only(model))
 
 
 # ------------------------------------------------------------------------------------------------ loops
@@ -267,10 +331,15 @@ def speculative_generate(
     sampling = sampling or Sampling()
     _check_inputs(model, input_ids, max_new_tokens)
     _check_target(model)
+    chain = verification_mode(model) == "chain"
+    if chain:  # only one path is verified: draft just that one, as deep as the tree would go
+        check_continuation(model)
+        tree_cfg = as_chain(tree_cfg)
     stopper = Stopper(max_new_tokens, sampling)
     device = model_device(model)
     input_ids = input_ids.to(device)
-    result = GenerationResult(tokens=[], accepted_per_depth=[0] * deepest_node(tree_cfg))
+    result = GenerationResult(tokens=[], accepted_per_depth=[0] * deepest_node(tree_cfg),
+                              verification="chain" if chain else "tree")
     timer = StepTimer(device, result)
 
     first, out, cache = prefill(model, input_ids, sampling, generator)
@@ -284,11 +353,12 @@ def speculative_generate(
     prefix_len = input_ids.shape[1]
     prompt_ids = input_ids[0].tolist() if tree_cfg.lookup_ngram else []
     while not done:
-        tree = draft(drafter, tokens, tree_cfg, prompt_ids)
+        tree = draft(drafter, tokens, tree_cfg, prompt_ids, chain)
         t = timer.add("draft", t)
-        accepted, next_token, out = verify(model, tree, cache, prefix_len, sampling, generator, lazy)
+        accepted, next_token, out = verify(model, tree, cache, prefix_len, sampling, generator, lazy, chain)
         t = timer.add("verify", t)
         result.target_forwards += 1
+        result.replay_forwards += int(chain and accepted.numel() < tree.size)
         result.accept_lengths.append(accepted.numel())
         for d in tree.depths[accepted[1:]].tolist():
             result.accepted_per_depth[d - 1] += 1
@@ -329,7 +399,9 @@ def plain_generate(
     tokens, done = stopper.cut([choose(out.logits[0, -1], sampling, generator)], 1)
     t = timer.add("prefill", timer.start)
     while not done:
-        out = model(torch.tensor([[tokens[-1]]], device=device), use_cache=True, **{kw: cache})
+        # explicit positions: some families (Bamba) count a cached prefix wrong without them
+        position = torch.tensor([[input_ids.shape[1] + len(tokens) - 1]], device=device)
+        out = model(torch.tensor([[tokens[-1]]], device=device), position_ids=position, use_cache=True, **{kw: cache})
         tokens, done = stopper.cut(tokens + [choose(out.logits[0, -1], sampling, generator)], 1)
         t = timer.add("verify", t)
         result.target_forwards += 1

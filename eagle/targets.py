@@ -298,16 +298,21 @@ def avoid_cudnn_attention(device: str | torch.device) -> bool:
     return True
 
 
-def attention_choices(device: str, attention: str = "auto") -> list[str]:
+def attention_choices(device: str, attention: str = "auto", config: Any = None) -> list[str]:
     """The attention implementations to try, best first: for ``auto`` on a CPU SDPA without the GQA copy
-    (:mod:`eagle.attention`), then stock SDPA; eager for architectures that support neither. Any other
-    ``attention`` (``target.attention``) is the only one tried."""
+    (:mod:`eagle.attention`), then stock SDPA; eager for architectures that support neither, and for a
+    ``config`` with attention-logit soft-capping (Gemma 2), which SDPA kernels cannot apply (transformers' own
+    ``sdpa`` drops it without a word, and the logits are another model's). Any other ``attention``
+    (``target.attention``) is the only one tried."""
     from eagle.attention import register
 
     ours = register()  # so that target.attention may name it too
     attention = attention.strip()
     if attention.lower() != "auto":
         return [attention]
+    text = config.get_text_config(decoder=True) if config is not None else None
+    if getattr(text, "attn_logit_softcapping", None):
+        return ["eager"]
     return ([ours] if device == "cpu" else []) + ["sdpa", "eager"]
 
 
@@ -370,7 +375,7 @@ def load_target(
     device_map: Any = None if dev == "cpu" else ("auto" if dev == "auto" else {"": dev})
     kwargs = dict(dtype=torch_dtype, device_map=device_map, trust_remote_code=cfg.trust_remote_code)
     try:
-        model = _from_pretrained(path, attention_choices(dev, cfg.attention), kwargs)
+        model = _from_pretrained(path, attention_choices(dev, cfg.attention, config), kwargs)
     except (OSError, ValueError, SafetensorError, pickle.UnpicklingError) as e:  # truncated / unsafe weights
         raise _load_error(name, e) from e
     try:

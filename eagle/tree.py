@@ -114,6 +114,16 @@ def verify_tokens(cfg: TreeConfig) -> int:
     return drafted + lookup_length(cfg)
 
 
+def as_chain(cfg: TreeConfig) -> TreeConfig:
+    """The chain a target that verifies one path gets in place of ``cfg``: as deep as the tree would go, with the
+    same lookup branch (what :func:`eagle.speculate.speculative_generate` drafts under chain verification)."""
+    if cfg.policy == "chain":
+        return cfg
+    chain = TreeConfig(policy="chain", depth=deepest_draft(cfg), lookup_ngram=cfg.lookup_ngram,
+                       lookup_tokens=lookup_length(cfg))
+    return chain.validate()
+
+
 def lookup_continuation(history: Sequence[int], max_ngram: int, num_tokens: int) -> list[int]:
     """Prompt lookup: up to ``num_tokens`` tokens that followed the latest earlier occurrence of the last n-gram
     of ``history`` (trying n = max_ngram down to 1); [] when nothing matches."""
@@ -198,6 +208,24 @@ class DraftTree:
             lp,
             self._children,
         )
+
+
+def likely_path(tree: DraftTree) -> list[int]:
+    """The root and its first child at every level: the draft's best guess of the path verification accepts
+    (siblings come best-first from every builder; a grafted lookup branch comes after the drafted siblings)."""
+    path = [0]
+    while kids := tree.children(path[-1]):
+        path.append(kids[0])
+    return path
+
+
+def path_tree(tree: DraftTree, path: Sequence[int]) -> DraftTree:
+    """The chain of ``tree``'s nodes ``path`` (root first, each node a child of the one before) as a tree."""
+    nodes = [int(v) for v in path]
+    if not nodes or nodes[0] != 0 or any(int(tree.parents[b]) != a for a, b in zip(nodes, nodes[1:])):
+        raise EagleError(f"nodes {nodes} are not a path from the root of the tree")
+    logprobs = None if tree.draft_logprobs is None else tree.draft_logprobs[nodes]
+    return tree_from_parents(tree.tokens[nodes], [-1] + list(range(len(nodes) - 1)), logprobs)
 
 
 def tree_from_parents(

@@ -38,20 +38,23 @@ def bigram_target(seed: int = 0):
 
 def save_target_folder(folder: str | Path, seed: int = 0) -> Path:
     """The bigram target as an HF folder (weights + a word-level tokenizer) that ``load_target`` can read."""
+    folder = Path(folder)
+    bigram_target(seed).model.save_pretrained(folder)
+    save_word_tokenizer(folder)
+    return folder
+
+
+def save_word_tokenizer(folder: str | Path, vocab_size: int = VOCAB) -> None:
+    """A word-level tokenizer of ``vocab_size`` words t0, t1, ... (t0 pads, t2 ends) saved into ``folder``."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import PreTrainedTokenizerFast
 
-    folder = Path(folder)
-    target = bigram_target(seed)
-    target.model.save_pretrained(folder)
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(WordLevel(vocab, unk_token="t0"))
+    tok = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tok.pre_tokenizer = WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0", eos_token="t2")
     fast.save_pretrained(folder)
-    return folder
 
 
 def make_prepared(

@@ -106,6 +106,7 @@ def test_report_fields_values_and_plots(tmp_path, target, draft_dir, prompts_fil
         tau = sum((i + 1) * n for i, n in enumerate(hist)) / sum(hist)
         assert tau == pytest.approx(section["acceptance_length_mean"])
     assert on_disk["tree"]["policy"] == "chain" and on_disk["tree"]["depth"] == 3
+    assert on_disk["tree"]["verification"] == "tree"  # an attention-only target
     for key in ("target", "head", "device", "dtype", "torch_version", "transformers_version", "date"):
         assert on_disk[key], key
     assert on_disk["target"] == "tiny-a" and on_disk["head"] == str(draft_dir)
@@ -456,3 +457,22 @@ def test_time_limit_runs_the_sets_in_turn_and_keeps_a_minimum(tmp_path, target, 
     assert [s["num_prompts"] for s in short["prompt_sets"].values()] == [E.MIN_PROMPTS_PER_SET] * 2
     with pytest.raises(EagleError, match="eval.max_minutes"):
         EvalConfig(max_minutes=0).validate()
+
+
+def test_a_target_with_a_recurrent_state_is_verified_in_chains_and_the_report_says_so(
+    tmp_path, tokenizer, prompts_file
+):
+    from eagle.testing import family_model
+
+    model = family_model("qwen3_next", vocab_size=VOCAB)
+    target = Target.from_model(model, tokenizer, name="tiny-hybrid")
+    tree = TreeConfig("dynamic", depth=3, top_k=2, total_tokens="auto", lookup_ngram=2)
+    cfg = _cfg(tmp_path, "unused", prompts_file, tree=tree, chain_depth=0)
+    console = Console(record=True, width=200, file=open("/dev/null", "w"))  # noqa: SIM115
+    report = evaluate(cfg, target, drafter=OracleDrafter(model), console=console)
+    # one path a step, as deep as the tree asked for: nothing to autotune
+    assert report["tree"]["verification"] == "chain" and report["tree"]["policy"] == "chain"
+    assert report["tree"]["depth"] == 3 and report["tree"]["autotune"] is None
+    assert report["overall"]["greedy_match_rate"] == 1.0
+    assert report["overall"]["acceptance_length_mean"] > 2  # the oracle's chains are accepted
+    assert "one path verified a step" in " ".join(console.export_text().split())

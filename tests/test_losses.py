@@ -469,3 +469,22 @@ def test_trainer_passes_top1_weight_to_the_loss_and_checks_it():
     eagle1, _ = setup("eagle1")
     with pytest.raises(EagleError, match="train.top1_weight applies to eagle3"):  # not silently ignored
         HeadWithLoss(eagle1, target.lm_head, "eagle1", TrainConfig(top1_weight=0.5))
+
+
+@pytest.mark.parametrize("name", ["granite", "cohere2", "gemma2", "falcon_h1"])
+def test_labels_are_the_targets_own_logits_scale_and_cap_included(name):
+    """Families that scale or soft-cap lm_head(h) in their forward: the training labels (whole vocabulary and
+    draft-vocabulary rows) are those logits, not the raw lm_head's."""
+    import train.losses as losses
+    from eagle.lazy_logits import TargetLogits
+    from eagle.testing import family_model
+
+    model = family_model(name)
+    ids = torch.randint(3, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    hidden, labels, rows = out.hidden_states[-1], TargetLogits(model), torch.arange(0, 256, 5)
+    torch.testing.assert_close(losses._target_logits(labels, hidden), out.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses._target_logits_at(labels, hidden, rows), out.logits[..., rows],
+                               rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(model.lm_head(hidden), out.logits, atol=1e-2)  # the family does post-process

@@ -4,7 +4,7 @@
   "nodes" of one process each started by scripts/launch_multinode.sh on localhost) trains on exactly the data of
   one process with twice the batch, so the loss curves and final weights must agree with that process's;
 - online training with the frozen target sharded across two processes (``target.shard: auto``): each holds
-  about half of the target, and the loss curve is the one-process curve;
+  about half of the target (a dense one, and a mixture of experts), and the loss curve is the one-process curve;
 - regeneration split across two processes writes the same data as one process, also when killed and resumed.
 """
 
@@ -38,10 +38,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_config(tmp: Path) -> Path:
-    """A run config for the bigram target (a folder) on prepared data of equal-length sequences, so every
-    micro-batch counts the same number of tokens and per-process means average to the global mean."""
-    target = W.save_target_folder(tmp / "target")
+def _run_config(tmp: Path, target: Path | None = None) -> Path:
+    """A run config for the bigram target (a folder; or another ``target`` folder) on prepared data of
+    equal-length sequences, so every micro-batch counts the same number of tokens and per-process means average to
+    the global mean."""
+    target = target or W.save_target_folder(tmp / "target")
     data = W.make_prepared(tmp / "data", n_train=48, n_val=8, length=24, prefix=0)
     (data / "prepare_meta.json").write_text("{}")  # what scripts/launch_multinode.sh checks is there
     config = {
@@ -116,19 +117,7 @@ def runs(tmp_path_factory):
             ["bash", str(ROOT / "scripts" / "launch_multinode.sh"), f"train.output_dir={tmp / 'nodes'}",
              "target.shard=none"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=node_env)
 
-    from accelerate.state import AcceleratorState, GradientState
-
-    from recipes.config import load_config
-    from recipes.train import run as train
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        train(load_config(config, [f"train.output_dir={tmp / 'one'}", "train.batch_size=4"]))
-    finally:
-        torch.set_num_threads(threads)
-        AcceleratorState._reset_state(True)
-        GradientState._reset_state()
+    _train_one_process(config, tmp / "one")
     logs = {}
     for name, proc in procs.items():
         out, _ = proc.communicate(timeout=900)
@@ -207,6 +196,48 @@ def test_a_sharded_target_holds_half_a_copy_and_trains_the_same(runs):
     # the decoder layers are split in two, the (small) embeddings and lm_head are kept whole
     assert 0.45 * whole < local < 0.6 * whole, held
     _check_same_curve(tmp, "sharded")
+
+
+def test_a_sharded_moe_target_trains_like_one_process(tmp_path):
+    """The shape of configs/qwen3_30b_a3b_8gpu.yaml (online, target.shard: auto, a DDP head) with a tiny Qwen3-MoE
+    target on two processes: each holds about half of it, experts included, and the loss curve is one process's."""
+    import re
+
+    from eagle.testing import family_model
+
+    folder = tmp_path / "moe-target"
+    family_model("qwen3_moe").save_pretrained(folder)
+    W.save_word_tokenizer(folder)
+    config = _run_config(tmp_path, folder)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    command = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()), "-m", "recipes",
+               "train", "--config", str(config), f"train.output_dir={tmp_path / 'sharded'}", "target.shard=auto"]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    _train_one_process(config, tmp_path / "one")
+    out, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, out[-3000:]
+    held = re.findall(r"target sharded across 2 processes: this process holds ([\d,]+) of ([\d,]+) parameters", out)
+    assert len(held) == 1, out[-3000:]
+    local, whole = (int(x.replace(",", "")) for x in held[0])
+    assert 0.45 * whole < local < 0.6 * whole, held
+    _check_same_curve(tmp_path, "sharded")
+
+
+def _train_one_process(config: Path, out: Path) -> None:
+    """The one-process reference: twice the per-process batch, in this process."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from recipes.config import load_config
+    from recipes.train import run as train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(load_config(config, [f"train.output_dir={out}", "train.batch_size=4"]))
+    finally:
+        torch.set_num_threads(threads)
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
 
 
 def _prepare_command(config: Path, out: Path, processes: int) -> list[str]:

@@ -18,7 +18,7 @@ from eagle.heads import HeadCache, HeadConfig, build_head
 from eagle.sampling import Sampling
 from eagle.speculate import GenerationResult, plain_generate, speculative_generate, tree_attention_mask
 from eagle.targets import cache_kwarg
-from eagle.testing import FAMILIES, tiny_config
+from eagle.testing import FAMILIES, NoisyOracle, tiny_config
 from eagle.tree import TreeConfig, tree_from_parents
 
 N_NEW = 24
@@ -154,29 +154,6 @@ def test_untrained_head_keeps_greedy_output(family, kind, policy):
     res = speculative_generate(model, drafter, prompt(), N_NEW, TREES[policy], sampling=Sampling(eos_token_ids=eos_ids(model)), )
     check_result(res, reference(family))
     assert drafter.cache.length == T + sum(res.accept_lengths[:-1])  # head cache = committed length - 1
-
-
-class NoisyOracle(OracleDrafter):
-    """The oracle, but at some nodes (a fixed pseudo-random choice) it ranks the target's second choice first:
-    acceptance stops part-way and, in trees, continues through non-first children."""
-
-    def draft(self, root_token, tree_cfg):
-        model = self.model
-
-        class Flipped(torch.nn.Module):
-            def forward(self, seq):
-                logits = model(seq).logits
-                if hash(tuple(seq[0, -3:].tolist())) % 3 == 0:
-                    top2 = logits[0, -1].topk(2).indices
-                    logits[0, -1, top2[1]] = logits[0, -1, top2[0]] + 1
-                return type("Out", (), {"logits": logits})
-
-        self.model = Flipped()
-        self.model.get_input_embeddings = model.get_input_embeddings
-        try:
-            return super().draft(root_token, tree_cfg)
-        finally:
-            self.model = model
 
 
 @pytest.mark.parametrize("policy", list(TREES))
@@ -660,3 +637,63 @@ def test_lazy_logits_apply_postprocessing_or_fall_back(kind):
     torch.testing.assert_close(lazy, out.logits[0], atol=1e-5, rtol=1e-5)
     raw = model.get_output_embeddings()(out.hidden_states[-1][0])
     assert (raw - out.logits[0]).abs().max() > 1e-2  # the post-processing mattered
+
+
+# ------------------------------------------------------------------------------ targets with a recurrent state
+
+HYBRIDS = ("qwen3_next", "qwen3_5", "falcon_h1", "bamba")
+
+
+@cache
+def hybrid(name: str) -> torch.nn.Module:
+    from eagle.testing import family_model
+
+    model = family_model(name)
+    model.generation_config.eos_token_id = None  # run to the length limit
+    return model
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_restored_state_and_replay_equal_reading_the_kept_tokens(name):
+    """Snapshot, read 4 drafts, restore, cut, replay 2 of them: the next token's logits are those of a cache that
+    read exactly the prompt and those 2 tokens."""
+    from eagle.cache import new_cache, snapshot_states
+    from eagle.speculate import replay
+
+    model, ids = hybrid(name), prompt(3, length=12)
+    drafts = torch.tensor([5, 9, 11, 7])
+    cache = new_cache(model)
+    with torch.no_grad():
+        model(ids, past_key_values=cache, use_cache=True)
+        saved = snapshot_states(cache)
+        model(drafts[None], position_ids=torch.arange(12, 16)[None], past_key_values=cache, use_cache=True)
+        replay(model, cache, saved, drafts[:2], 12)
+        got = model(torch.tensor([[4]]), position_ids=torch.tensor([[14]]), past_key_values=cache).logits
+        fresh = new_cache(model)
+        model(torch.cat([ids, drafts[None, :2]], 1), past_key_values=fresh, use_cache=True)
+        want = model(torch.tensor([[4]]), position_ids=torch.tensor([[14]]), past_key_values=fresh).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # logits of ~10: float32 sums in other orders
+    with torch.no_grad():  # and without the restore, the state would be another: the check can fail
+        model(drafts[None], position_ids=torch.arange(14, 18)[None], past_key_values=cache, use_cache=True)
+        worse = model(torch.tensor([[4]]), position_ids=torch.tensor([[18]]), past_key_values=cache).logits
+    assert not torch.allclose(worse, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("name", HYBRIDS)
+def test_hybrid_targets_verify_chains_and_keep_greedy_output(name):
+    model, ids = hybrid(name), prompt(4)
+    want = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=N_NEW)
+    res = speculative_generate(model, NoisyOracle(model), ids, N_NEW, TREES["dynamic"])
+    check_result(res, want[0, T:].tolist())
+    assert res.verification == "chain"
+    # some steps reject part of the chain (one replay each), others accept it whole (no replay)
+    assert 0 < res.replay_forwards < res.target_forwards
+    assert set(res.accept_lengths[:-1]) > {5}
+
+
+def test_a_target_that_cannot_continue_its_state_is_refused():
+    from eagle.testing import family_model
+
+    model = family_model("jamba")
+    with pytest.raises(EagleError, match="does not continue the recurrent state.*plain decoding"):
+        speculative_generate(model, OracleDrafter(model), prompt(), 8, TREES["dynamic"])

@@ -63,7 +63,9 @@ def _target_logits_at(target_lm_head: nn.Module, hidden: torch.Tensor, ids: torc
         w = weight.index_select(0, rows)
         b = None if bias is None else bias.index_select(0, rows)
         hidden = hidden.to(device=weight.device, dtype=weight.dtype)
-        return F.linear(hidden, w, b).float()
+        post = getattr(target_lm_head, "post", None)  # the target's own scale / soft-cap (TargetLogits)
+        logits = F.linear(hidden, w, b).float()
+        return post(logits) if post is not None else logits
 
 
 def target_argmax(target_lm_head: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from torch import nn
 from eagle.deadline import Deadline, check_minutes
 from eagle.errors import EagleError
 from eagle.heads import HeadConfig
+from eagle.lazy_logits import TargetLogits
 from train.batching import open_sources, prepare_batch
 from train.checkpoint import resolve_resume
 from train.launch import load_target_here, make_accelerator, seed_all
@@ -160,7 +161,8 @@ class TrainResult:
 class HeadWithLoss(nn.Module):
     """The head plus its loss as one module, so DDP / DeepSpeed see a normal ``forward(batch) -> loss``.
 
-    The target's lm_head is held outside the module tree (it is frozen and never wrapped or saved).
+    The target's lm_head (:class:`eagle.lazy_logits.TargetLogits`: with the target's own logit post-processing) is
+    held outside the module tree (it is frozen and never wrapped or saved).
     """
 
     def __init__(self, head: nn.Module, target_lm_head: nn.Module, kind: str, cfg: TrainConfig):
@@ -387,7 +389,7 @@ class _Run:
         self.total_steps = min(total, cfg.max_steps) if cfg.max_steps is not None else total
         self.planned_steps = self.total_steps  # the schedule asked for, before train.max_minutes shortens it
         self.warmup = self._warmup_steps()
-        model = HeadWithLoss(head, target.model.get_output_embeddings(), self.hcfg.kind, cfg)
+        model = HeadWithLoss(head, TargetLogits(target.model), self.hcfg.kind, cfg)
         model.train()
         optimizer = _optimizer(head, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(

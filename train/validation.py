@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from eagle.lazy_logits import TargetLogits
 from train.batching import prepare_batch
 
 
@@ -52,8 +53,7 @@ def validate(
             batch = prepare_batch(batch, accelerator, online, target, aux_layers)
             if top1_cache is not None and kind == "eagle3":
                 if i not in top1_cache:
-                    lm_head = target.model.get_output_embeddings()
-                    top1_cache[i] = target_argmax(lm_head, batch["last_hidden"])
+                    top1_cache[i] = target_argmax(TargetLogits(target.model), batch["last_hidden"])
                 batch["target_top"] = top1_cache[i]
             _, m = model(batch)
             for j in range(steps):
