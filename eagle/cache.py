@@ -9,7 +9,8 @@ applied by its own attention masks) and, for hybrid targets, transformers' own r
 
 Recurrent layers (Gated DeltaNet, Mamba: transformers' ``LinearAttentionCacheLayerMixin``) hold one state that
 summarises every token seen; it cannot be cut back to an earlier position. :func:`snapshot_states` copies those
-states before a verification, :func:`restore_states` puts them back, and the caller replays the accepted tokens.
+states before a verification, :func:`restore_states` puts them back, and the caller reads the accepted tokens
+again (:func:`eagle.speculate.verify_chain`).
 """
 
 from __future__ import annotations

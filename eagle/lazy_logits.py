@@ -4,8 +4,9 @@ The lm_head over a large vocabulary is a big part of a small model's forward, an
 only the nodes it visits (the accepted path). So the verification forward asks (``logits_to_keep``) for the logits
 of the tree's most likely path only -- the first child at every level, since siblings come best-first -- computed
 there in one matrix product, and verification runs the lm_head on ``hidden_states[-1]`` for any other node it
-visits, one row at a time. (Not one row per visited node throughout: reading the weights dominates the cost of a
-few rows; on a 2-core CPU one row of SmolLM2's 49k x 576 lm_head costs a third to a half of 16 rows.)
+visits, together with that node's first-child chain below it. (Not one row per visited node: reading the weights
+dominates the cost of a few rows; on a 2-core CPU one row of SmolLM2's 49k x 576 lm_head costs a third to a half
+of 16 rows.)
 
 This is used only where it reproduces the model's own logits, checked once per model on a prefill
 (:func:`logit_map`); other models get every node's logits from the forward.
@@ -21,6 +22,7 @@ from typing import Any
 import torch
 
 from eagle.targets import last_logits_only
+from eagle.tree import DraftTree
 from eagle.verify import LazyRows
 
 # model -> its hidden-to-logits map, or None where lazy logits do not reproduce its logits (checked once)
@@ -122,19 +124,27 @@ def _compose(
 
 
 def node_logits(
-    out: Any, logit_map: Callable[[torch.Tensor], torch.Tensor] | None, n: int, kept: list[int]
+    out: Any, logit_map: Callable[[torch.Tensor], torch.Tensor] | None, tree: DraftTree, kept: list[int]
 ) -> torch.Tensor | LazyRows:
     """Every node's logits: the forward's [n, V] when it made them all, else rows made on first access, those of
-    the ``kept`` nodes taken from the forward's output (``logits_to_keep=kept``)."""
+    the ``kept`` nodes taken from the forward's output (``logits_to_keep=kept``).
+
+    A node off the kept path is made together with its first-child chain below it: where verification goes on if
+    it accepts there (the lookup branch, grafted after the drafted siblings, is such a chain). A few rows cost
+    about what one does (the weights are read once), so a branch that verification walks down costs one pass over
+    the lm_head instead of one per node."""
     logits = out.logits[0]
-    if logit_map is None or logits.shape[0] == n:
+    if logit_map is None or logits.shape[0] == tree.size:
         return logits
     given = dict(zip(kept, logits)) if logits.shape[0] == len(kept) else {}
     hidden = out.hidden_states[-1][0]
 
     def row(node: int) -> torch.Tensor:
-        if node in given:
-            return given[node]
-        return logit_map(hidden[node : node + 1])[0]
+        if node not in given:
+            chain = [node]
+            while kids := tree.children(chain[-1]):
+                chain.append(kids[0])
+            given.update(zip(chain, logit_map(hidden[chain])))
+        return given[node]
 
     return LazyRows(row)

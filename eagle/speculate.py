@@ -260,49 +260,81 @@ def draft(drafter: Drafter, tokens: list[int], tree_cfg: TreeConfig, prompt_ids:
 
 
 def verify(model: torch.nn.Module, tree: DraftTree, cache: DynamicCache, prefix_len: int, sampling: Sampling,
-           generator: torch.Generator | Decisions | None, lazy: Any, chain: bool = False
-           ) -> tuple[torch.Tensor, int, Any]:
+           generator: torch.Generator | Decisions | None, lazy: Any) -> tuple[torch.Tensor, int, Any]:
     """One target forward over the tree, then verification: (accepted node indices, the next token, the output).
 
     The cache keeps the prefix plus the accepted path. ``lazy``: the model's logit map (:mod:`eagle.lazy_logits`)
-    or None for full logits. ``chain``: the tree is one path, run through a cache with recurrent layers
-    (:func:`verification_mode`); their states are brought to the accepted prefix by :func:`replay`."""
+    or None for full logits."""
     device = model_device(model)
     nodes = tree.to(device)
     kept = likely_path(tree) if lazy is not None else []
-    saved = snapshot_states(cache) if chain else None
     out = model(
         nodes.tokens[None],
-        attention_mask=None if chain else _verify_mask(model, nodes, prefix_len, model_dtype(model)),
+        attention_mask=_verify_mask(model, nodes, prefix_len, model_dtype(model)),
         position_ids=(prefix_len + nodes.depths)[None],
         use_cache=True,
         output_hidden_states=True,
         **{cache_kwarg(model): cache},
         **({"logits_to_keep": torch.tensor(kept, device=device)} if kept else {}),
     )
-    logits = node_logits(out, lazy, tree.size, kept)
-    if sampling.greedy:
-        accepted, next_token = verify_greedy(tree, logits)
-    else:
-        probs = LazyRows(lambda node: sampling.probs(logits[node]))  # warped one visited row at a time
-        accepted, next_token = verify_sampling(tree, probs, generator)
-    if not chain:
-        gather_cache(cache, torch.cat([torch.arange(prefix_len), prefix_len + accepted]))
-    elif accepted.numel() < tree.size:
-        replay(model, cache, saved, nodes.tokens[accepted.to(device)], prefix_len)
+    accepted, next_token = _decide(tree, node_logits(out, lazy, tree, kept), sampling, generator)
+    gather_cache(cache, torch.cat([torch.arange(prefix_len), prefix_len + accepted]))
     return accepted, next_token, out
 
 
-def replay(model: torch.nn.Module, cache: DynamicCache, saved: list, tokens: torch.Tensor, prefix_len: int) -> None:
-    """Bring a cache with recurrent layers to the prefix plus ``tokens`` after a part of the verified chain was
-    rejected: the recurrent states go back to their snapshot from before the verification (``saved``), the
-    key/value layers are cut to the prefix, and the accepted tokens run through the target once more. Exact:
-    the states are then those the target reaches by reading exactly the committed tokens."""
+def _decide(tree: DraftTree, logits: Any, sampling: Sampling, generator: torch.Generator | Decisions | None
+            ) -> tuple[torch.Tensor, int]:
+    if sampling.greedy:
+        return verify_greedy(tree, logits)
+    probs = LazyRows(lambda node: sampling.probs(logits[node]))  # warped one visited row at a time
+    return verify_sampling(tree, probs, generator)
+
+
+def verify_chain(model: torch.nn.Module, chain: DraftTree, cache: DynamicCache, prefix_len: int, unread: list[int],
+                 sampling: Sampling, generator: torch.Generator | Decisions | None
+                 ) -> tuple[torch.Tensor, int, tuple[torch.Tensor, ...], list[int]]:
+    """Chain verification for a target with a recurrent state (:func:`verification_mode`): one forward over the
+    committed tokens its cache has not read yet (``unread``, the last ``len(unread)`` of the ``prefix_len``) and
+    then the chain; returns (accepted node indices, the next token, the hidden states of the chain's nodes, the
+    committed tokens still unread).
+
+    A recurrent state cannot be cut back to the accepted prefix, so it is copied before the forward. When the
+    chain is accepted whole the cache has read everything. Otherwise the states go back to the copy, the
+    key/value layers are cut to match, and the accepted tokens join ``unread``: the next verification reads them
+    in front of its own chain, in the same forward. More unread tokens than a chain holds are read at once by
+    :func:`replay`. Exact: the cache only ever holds states reached by reading the committed tokens."""
+    device = model_device(model)
+    nodes = chain.to(device)
+    start = prefix_len - len(unread)  # the positions the cache has read
+    ids = torch.cat([torch.tensor(unread, dtype=torch.long, device=device), nodes.tokens])
+    saved = snapshot_states(cache)
+    out = model(
+        ids[None],
+        position_ids=(start + torch.arange(ids.numel(), device=device))[None],
+        use_cache=True,
+        output_hidden_states=True,
+        **{cache_kwarg(model): cache},
+        **({"logits_to_keep": chain.size} if last_logits_only(model) else {}),
+    )
+    accepted, next_token = _decide(chain, out.logits[0, -chain.size:], sampling, generator)
+    hidden = tuple(h[:, len(unread):] for h in out.hidden_states)
+    if accepted.numel() == chain.size:
+        return accepted, next_token, hidden, []
     restore_states(cache, saved)
-    crop_cache(cache, prefix_len)
-    positions = prefix_len + torch.arange(tokens.numel(), device=tokens.device)
-    model(tokens[None], position_ids=positions[None], use_cache=True, **{cache_kwarg(model): cache},
-          **last_logits_only(model))
+    crop_cache(cache, start)
+    unread = unread + chain.tokens[accepted].tolist()
+    if len(unread) > chain.size:
+        replay(model, cache, unread, start)
+        unread = []
+    return accepted, next_token, hidden, unread
+
+
+def replay(model: torch.nn.Module, cache: DynamicCache, tokens: list[int], start: int) -> None:
+    """Read committed ``tokens`` (positions ``start``...) into a cache that holds the ``start`` before them."""
+    device = model_device(model)
+    positions = start + torch.arange(len(tokens), device=device)
+    model(torch.tensor([tokens], device=device), position_ids=positions[None], use_cache=True,
+          **{cache_kwarg(model): cache}, **last_logits_only(model))
 
 
 # ------------------------------------------------------------------------------------------------ loops
@@ -352,13 +384,20 @@ def speculative_generate(
     del out
     prefix_len = input_ids.shape[1]
     prompt_ids = input_ids[0].tolist() if tree_cfg.lookup_ngram else []
+    unread: list[int] = []  # chain verification: committed tokens the cache has not read yet
     while not done:
         tree = draft(drafter, tokens, tree_cfg, prompt_ids, chain)
         t = timer.add("draft", t)
-        accepted, next_token, out = verify(model, tree, cache, prefix_len, sampling, generator, lazy, chain)
+        if chain:
+            accepted, next_token, hidden, unread = verify_chain(model, tree, cache, prefix_len, unread, sampling,
+                                                                generator)
+            result.replay_forwards += int(accepted.numel() < tree.size and not unread)
+        else:
+            accepted, next_token, out = verify(model, tree, cache, prefix_len, sampling, generator, lazy)
+            hidden = out.hidden_states
+            del out
         t = timer.add("verify", t)
         result.target_forwards += 1
-        result.replay_forwards += int(chain and accepted.numel() < tree.size)
         result.accept_lengths.append(accepted.numel())
         for d in tree.depths[accepted[1:]].tolist():
             result.accepted_per_depth[d - 1] += 1
@@ -366,9 +405,9 @@ def speculative_generate(
         tokens, done = stopper.cut(tokens + new, len(new))
         prefix_len += accepted.numel()
         if not done:
-            drafter.accept(accepted, out.hidden_states, torch.tensor(new, device=device))
+            drafter.accept(accepted, hidden, torch.tensor(new, device=device))
             t = timer.add("draft", t)
-        del out
+        del hidden
     result.tokens = tokens
     timer.finish()
     return result

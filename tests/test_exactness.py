@@ -144,9 +144,9 @@ def _rows_off_by_one(monkeypatch) -> None:
 
     real = S.node_logits
 
-    def planted(out, logit_map, n, kept):
-        rows = real(out, logit_map, n, kept)
-        return LazyRows(lambda node: rows[min(int(node) + 1, n - 1)])
+    def planted(out, logit_map, tree, kept):
+        rows = real(out, logit_map, tree, kept)
+        return LazyRows(lambda node: rows[min(int(node) + 1, tree.size - 1)])
 
     monkeypatch.setattr(S, "node_logits", planted)
 

@@ -57,3 +57,18 @@ def test_the_chain_verification_benchmark_runs_and_checks_its_outputs(tmp_path):
     assert rows[("qwen3_5", 1.0)]["replays_per_step"] < rows[("qwen3_5", 0.5)]["replays_per_step"]
     assert rows[("llama", 0.5)]["replays_per_step"] == 0
     assert rows[("qwen3_5", 1.0)]["tau"] > rows[("qwen3_5", 0.5)]["tau"]
+
+
+def test_a_vllm_refusal_is_recorded_with_the_cause_vllm_gave(tmp_path):
+    """``python tests/_families.py --vllm`` keeps, for a family vLLM refuses, the first exception line of the
+    worker's whole output that states a cause (vLLM prints it long before the errors that end the worker)."""
+    from _families import root_cause
+
+    log = tmp_path / "worker.log"
+    log.write_text("(EngineCore pid=1) ERROR [core.py:1] Exception: WorkerProc initialization failed due to ...\n"
+                   "(Worker pid=2) ERROR [runner.py:9] RuntimeError: Model does not support EAGLE3 interface\n"
+                   "(EngineCore pid=1) ERROR [core.py:2] RuntimeError: Engine core initialization failed.\n")
+    message = f"vLLM on the tiny x target: the vLLM worker failed (exit status 1; its whole output is in {log}):"
+    assert root_cause(message) == "RuntimeError: Model does not support EAGLE3 interface"
+    assert root_cause("vLLM on the tiny x target: KeyError: 'layers.1.mlp.gate.bias'\n...") == (
+        "KeyError: 'layers.1.mlp.gate.bias'")

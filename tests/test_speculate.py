@@ -528,8 +528,8 @@ class Recording:
         self.inner.accept(accepted, hidden_states, next_tokens)
 
 
-def first_child_path(tree) -> list[int]:
-    path = [0]
+def first_child_path(tree, node: int = 0) -> list[int]:
+    path = [node]
     while tree.children(path[-1]):
         path.append(tree.children(path[-1])[0])
     return path
@@ -572,14 +572,19 @@ def test_lazy_logits_equal_full_logits(name):
     assert g_lazy.tokens == g_full.tokens and g_lazy.accept_lengths == g_full.accept_lengths
     assert s_lazy.tokens == s_full.tokens and s_lazy.accept_lengths == s_full.accept_lengths
     assert _LOGIT_MAPS[model] is not None
-    # lazy: each verification forward makes the rows of the first-child path only; verification then makes
-    # one row for each accepted node off that path (the last accepted node gives the bonus / residual sample)
+    # lazy: each verification forward makes the rows of the first-child path only; an accepted node off that
+    # path then has its row made in one pass with its own first-child chain below it (the last accepted node
+    # gives the bonus / residual sample)
     off_path = 0
     for tree, accepted, made in steps:
-        path = first_child_path(tree)
-        extra = len(set(accepted) - set(path))
-        assert made == [len(path)] + [1] * extra
-        off_path += extra
+        have, passes = set(first_child_path(tree)), [len(first_child_path(tree))]
+        for node in accepted:
+            if node not in have:
+                chain = first_child_path(tree, node)
+                passes.append(len(chain))
+                have |= set(chain)
+        assert made == passes
+        off_path += len(passes) - 1
     assert len(steps) >= 4 and off_path > 0  # both kinds of rows were exercised
     # full: every node of every tree, in the forward
     assert all(made == [tree.size] for tree, _, made in full_steps)
@@ -654,29 +659,34 @@ def hybrid(name: str) -> torch.nn.Module:
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
-def test_restored_state_and_replay_equal_reading_the_kept_tokens(name):
-    """Snapshot, read 4 drafts, restore, cut, replay 2 of them: the next token's logits are those of a cache that
-    read exactly the prompt and those 2 tokens."""
-    from eagle.cache import new_cache, snapshot_states
-    from eagle.speculate import replay
+def test_a_partly_rejected_chain_leaves_the_state_of_the_kept_tokens(name):
+    """verify_chain on 4 drafts of which the target rejects the third: the cache goes back to the prompt, the root
+    and the first two drafts wait unread, and the next verification (reading them first) gives the logits of a
+    cache that read exactly those tokens."""
+    from eagle.cache import new_cache
+    from eagle.lazy_logits import TargetLogits
+    from eagle.speculate import verify_chain
+    from eagle.tree import tree_from_parents
 
     model, ids = hybrid(name), prompt(3, length=12)
-    drafts = torch.tensor([5, 9, 11, 7])
+    greedy = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=5)[0, 12:]
+    root, right = int(greedy[0]), greedy[1:].tolist()
+    drafts = [right[0], right[1], (right[2] + 1) % 256, right[3]]  # the third is wrong
     cache = new_cache(model)
     with torch.no_grad():
         model(ids, past_key_values=cache, use_cache=True)
-        saved = snapshot_states(cache)
-        model(drafts[None], position_ids=torch.arange(12, 16)[None], past_key_values=cache, use_cache=True)
-        replay(model, cache, saved, drafts[:2], 12)
-        got = model(torch.tensor([[4]]), position_ids=torch.tensor([[14]]), past_key_values=cache).logits
+        chain = tree_from_parents([root, *drafts], [-1, 0, 1, 2, 3])
+        accepted, next_token, hidden, unread = verify_chain(model, chain, cache, 12, [], Sampling(), None)
+        assert accepted.tolist() == [0, 1, 2] and next_token == right[2]
+        assert unread == [root, *drafts[:2]] and cache_length(cache) == 12 and hidden[0].shape[1] == 5
+        nxt = tree_from_parents([next_token, 7], [-1, 0])
+        _, _, hidden, _ = verify_chain(model, nxt, cache, 15, unread, Sampling(), None)
+        got = TargetLogits(model)(hidden[-1][0])
         fresh = new_cache(model)
-        model(torch.cat([ids, drafts[None, :2]], 1), past_key_values=fresh, use_cache=True)
-        want = model(torch.tensor([[4]]), position_ids=torch.tensor([[14]]), past_key_values=fresh).logits
+        want = model(torch.cat([ids, torch.tensor([[root, *drafts[:2], next_token, 7]])], 1),
+                     past_key_values=fresh).logits[0, -2:]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # logits of ~10: float32 sums in other orders
-    with torch.no_grad():  # and without the restore, the state would be another: the check can fail
-        model(drafts[None], position_ids=torch.arange(14, 18)[None], past_key_values=cache, use_cache=True)
-        worse = model(torch.tensor([[4]]), position_ids=torch.tensor([[18]]), past_key_values=cache).logits
-    assert not torch.allclose(worse, want, atol=1e-3)
+    assert hidden[0].shape[1] == 2  # only the chain's nodes, not the unread tokens read in front of them
 
 
 @pytest.mark.parametrize("name", HYBRIDS)
@@ -686,9 +696,9 @@ def test_hybrid_targets_verify_chains_and_keep_greedy_output(name):
     res = speculative_generate(model, NoisyOracle(model), ids, N_NEW, TREES["dynamic"])
     check_result(res, want[0, T:].tolist())
     assert res.verification == "chain"
-    # some steps reject part of the chain (one replay each), others accept it whole (no replay)
-    assert 0 < res.replay_forwards < res.target_forwards
-    assert set(res.accept_lengths[:-1]) > {5}
+    assert set(res.accept_lengths[:-1]) > {5}  # some chains accepted whole, others in part
+    res = speculative_generate(model, OracleDrafter(model), ids, N_NEW, TREES["chain"])
+    assert res.accept_lengths[:-1] == [5] * (len(res.accept_lengths) - 1) and res.replay_forwards == 0
 
 
 def test_a_target_that_cannot_continue_its_state_is_refused():
