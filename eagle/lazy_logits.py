@@ -2,9 +2,9 @@
 
 The lm_head over a large vocabulary is a big part of a small model's forward, and verification reads the logits of
 only the nodes it visits (the accepted path). So the verification forward asks (``logits_to_keep``) for the logits
-of the tree's most likely path only -- the first child at every level, since siblings come best-first -- computed
-there in one matrix product, and verification runs the lm_head on ``hidden_states[-1]`` for any other node it
-visits, together with that node's first-child chain below it. (Not one row per visited node: reading the weights
+of the tree's most likely path -- the first child at every level, since siblings come best-first -- and of the
+prompt-lookup branch, computed there in one matrix product, and verification runs the lm_head on
+``hidden_states[-1]`` for any other node it visits, together with that node's first-child chain below it. (Not one row per visited node: reading the weights
 dominates the cost of a few rows; on a 2-core CPU one row of SmolLM2's 49k x 576 lm_head costs a third to a half
 of 16 rows.)
 

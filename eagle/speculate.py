@@ -267,7 +267,9 @@ def verify(model: torch.nn.Module, tree: DraftTree, cache: DynamicCache, prefix_
     or None for full logits."""
     device = model_device(model)
     nodes = tree.to(device)
-    kept = likely_path(tree) if lazy is not None else []
+    # the rows verification most likely reads: the drafter's first choices, and the lookup branch (which
+    # verification walks on most steps where the text repeats itself)
+    kept = sorted(set(likely_path(tree)) | set(tree.lookup_nodes)) if lazy is not None else []
     out = model(
         nodes.tokens[None],
         attention_mask=_verify_mask(model, nodes, prefix_len, model_dtype(model)),

@@ -10,7 +10,7 @@ head and for the oracle drafter used in tests.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -143,7 +143,7 @@ def graft_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
         return tree
     tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
     logprobs = None if tree.draft_logprobs is None else tree.draft_logprobs.tolist()
-    node = 0
+    node, path = 0, []
     for tok in chain:
         child = next((c for c in tree.children(node) if tokens[c] == tok), None) if node < tree.size else None
         if child is None:
@@ -153,9 +153,10 @@ def graft_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:
                 logprobs.append(0.0)
             child = len(tokens) - 1
         node = child
-    if len(tokens) == tree.size:
-        return tree
-    return tree_from_parents(tokens, parents, logprobs)
+        path.append(node)
+    grafted = replace(tree) if len(tokens) == tree.size else tree_from_parents(tokens, parents, logprobs)
+    grafted.lookup_nodes = path
+    return grafted
 
 
 @dataclass
@@ -175,6 +176,7 @@ class DraftTree:
     paths: torch.Tensor
     draft_logprobs: torch.Tensor | None = None
     _children: list[list[int]] | None = field(default=None, repr=False)
+    lookup_nodes: list[int] = field(default_factory=list)  # the nodes the prompt-lookup branch runs through
 
     @property
     def size(self) -> int:
@@ -207,6 +209,7 @@ class DraftTree:
             self.paths.to(device),
             lp,
             self._children,
+            self.lookup_nodes,
         )
 
 

@@ -707,3 +707,23 @@ def test_a_target_that_cannot_continue_its_state_is_refused():
     model = family_model("jamba")
     with pytest.raises(EagleError, match="does not continue the recurrent state.*plain decoding"):
         speculative_generate(model, OracleDrafter(model), prompt(), 8, TREES["dynamic"])
+
+
+def test_the_verification_forward_makes_the_rows_of_the_likely_path_and_of_the_lookup_branch():
+    """One lm_head call in the forward for the drafter's first choices and the grafted lookup branch (the rows
+    verification reads on most steps of repetitive text), instead of a second call when it walks that branch."""
+    from eagle.lazy_logits import logit_map
+    from eagle.speculate import prefill, verify
+    from eagle.tree import graft_chain
+
+    model, ids = target("llama"), prompt()
+    first, out, cache = prefill(model, ids, Sampling(), None)
+    lazy = logit_map(model, out)
+    drafted = tree_from_parents([first, 5, 6, 7], [-1, 0, 0, 1])  # first choices: nodes 0, 1, 3
+    tree = graft_chain(drafted, [9, 10, 11])  # a branch of its own: nodes 4, 5, 6
+    rows = count_lm_head_rows(model)
+    try:
+        verify(model, tree, cache, ids.shape[1], Sampling(), None, lazy)
+    finally:
+        count_lm_head_rows.handle.remove()
+    assert tree.lookup_nodes == [4, 5, 6] and rows[0] == 6

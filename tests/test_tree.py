@@ -228,14 +228,19 @@ def test_lookup_continuation_finds_the_latest_longest_match():
 
 def test_graft_chain_reuses_drafted_nodes_and_appends_the_rest():
     tree = tree_from_parents([0, 4, 5, 6], [-1, 0, 0, 1], [0.0, -0.1, -2.0, -0.3])
-    assert graft_chain(tree, []) is tree and graft_chain(tree, [4, 6]) is tree  # already drafted
+    assert graft_chain(tree, []) is tree
+    drafted = graft_chain(tree, [4, 6])  # already drafted: the same nodes, now marked as the lookup branch's
+    assert torch.equal(drafted.tokens, tree.tokens) and torch.equal(drafted.parents, tree.parents)
+    assert drafted.lookup_nodes == [1, 3] and tree.lookup_nodes == []
     grafted = graft_chain(tree, [4, 6, 8, 9])
     assert grafted.tokens.tolist() == [0, 4, 5, 6, 8, 9] and grafted.parents.tolist() == [-1, 0, 0, 1, 3, 4]
+    assert grafted.lookup_nodes == [1, 3, 4, 5]
     assert grafted.depths.tolist() == [0, 1, 1, 2, 3, 4]
     assert grafted.draft_logprobs.tolist() == pytest.approx([0.0, -0.1, -2.0, -0.3, 0.0, 0.0])
     new_root_child = graft_chain(tree, [7, 4])  # diverges at the root: a new branch after the drafted ones
     assert new_root_child.parents.tolist() == [-1, 0, 0, 1, 0, 4]
-    assert new_root_child.children(0) == [1, 2, 4]
+    assert new_root_child.children(0) == [1, 2, 4] and new_root_child.lookup_nodes == [4, 5]
+    assert new_root_child.to("cpu").lookup_nodes == [4, 5]
     assert deepest_draft(TreeConfig("chain", depth=3)) == 3
     assert deepest_draft(TreeConfig("static", static_paths=[[0], [0, 0], [0, 0, 1]])) == 3
     with pytest.raises(EagleError, match="lookup_ngram"):
