@@ -5,7 +5,8 @@ token the target sampled last, not yet verified). The speculative loop calls:
 
 * ``prefill(input_ids, hidden_states, next_token)`` once, with the prompt, the target's hidden states of every
   prompt position (the tuple HF returns with ``output_hidden_states=True``) and the first sampled token;
-* ``draft(root_token, tree_cfg) -> DraftTree`` before each verification;
+* ``draft(root_token, tree_cfg) -> DraftTree`` before a verification (not on a step whose prompt-lookup branch is
+  verified alone, ``TreeConfig.lookup_alone``: ``accept`` must not depend on it);
 * ``accept(accepted, hidden_states, next_tokens)`` after it: ``accepted`` are the tree nodes the target kept
   (root first), ``hidden_states`` the verification forward's hidden states over ALL tree nodes, ``next_tokens``
   the token that follows each accepted node (the accepted children, then the new root).
@@ -241,7 +242,7 @@ class OracleDrafter:
     def __init__(self, target_model: torch.nn.Module):
         self.model = target_model
         self.committed: list[int] = []
-        self.last_root: int | None = None  # the root of the last tree: committed with the accepted drafts
+        self.last_root: int | None = None  # the root of the next tree: committed with its accepted drafts
 
     @torch.no_grad()
     def prefill(
@@ -249,6 +250,7 @@ class OracleDrafter:
     ) -> None:
         """Remember the prompt (the oracle needs no features)."""
         self.committed = [int(t) for t in input_ids[0].tolist()]
+        self.last_root = int(next_token)
 
     @torch.no_grad()
     def draft(self, root_token: int, tree_cfg: TreeConfig) -> DraftTree:
@@ -270,7 +272,6 @@ class OracleDrafter:
                 logp_out.append(logp[0])
             return torch.stack(ids_out).cpu(), torch.stack(logp_out).cpu()
 
-        self.last_root = int(root_token)
         return build_tree(root_token, expand, tree_cfg)
 
     def accept(
@@ -279,8 +280,9 @@ class OracleDrafter:
         """Commit the root and the accepted drafts (``next_tokens`` without its last, the target's own token: the
         verified tree may hold nodes this drafter did not make, such as a grafted lookup branch)."""
         if self.last_root is None:
-            raise EagleError("OracleDrafter.accept called before draft")
+            raise EagleError("OracleDrafter.accept called before prefill")
         self.committed += [self.last_root] + next_tokens.tolist()[:-1]
+        self.last_root = int(next_tokens[-1])
 
 
 class LookupDrafter:

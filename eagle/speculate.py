@@ -46,9 +46,10 @@ from eagle.tree import (
     deepest_node,
     graft_chain,
     likely_path,
-    lookup_continuation,
     lookup_length,
+    lookup_match,
     path_tree,
+    tree_from_parents,
 )
 from eagle.verify import Decisions, LazyRows, as_decisions, verify_greedy, verify_sampling
 
@@ -251,11 +252,14 @@ def prefill(model: torch.nn.Module, input_ids: torch.Tensor, sampling: Sampling,
 def draft(drafter: Drafter, tokens: list[int], tree_cfg: TreeConfig, prompt_ids: list[int],
           chain: bool = False) -> DraftTree:
     """The drafter's tree rooted at the last token, with the prompt-lookup branch grafted in (on the CPU:
-    verification walks it there). ``chain``: only its first-choice path (see :func:`verification_mode`)."""
-    tree = drafter.draft(tokens[-1], tree_cfg).to("cpu")
+    verification walks it there). ``chain``: only its first-choice path (see :func:`verification_mode`). A
+    lookup match of at least ``lookup_alone`` tokens is the whole draft: the drafter is not asked."""
+    lookup, matched = [], 0
     if tree_cfg.lookup_ngram:
-        history = prompt_ids + tokens
-        tree = graft_chain(tree, lookup_continuation(history, tree_cfg.lookup_ngram, lookup_length(tree_cfg)))
+        lookup, matched = lookup_match(prompt_ids + tokens, tree_cfg.lookup_ngram, lookup_length(tree_cfg))
+    if lookup and tree_cfg.lookup_alone and matched >= tree_cfg.lookup_alone:
+        return graft_chain(tree_from_parents([tokens[-1]], [-1]), lookup)
+    tree = graft_chain(drafter.draft(tokens[-1], tree_cfg).to("cpu"), lookup)
     return path_tree(tree, likely_path(tree)) if chain else tree
 
 

@@ -36,7 +36,9 @@ class TreeConfig:
     followed the latest earlier occurrence of the context's last n-gram (n = lookup_ngram down to 1), up to the
     tree's depth (or ``lookup_tokens`` when set), merged into the drafted tree. It catches what the context
     repeats (code that restates the prompt, quoted names) and never changes the output: verification treats it
-    as any other draft.
+    as any other draft. ``lookup_alone`` > 0: a step whose lookup matched an n-gram at least that long verifies
+    the lookup branch alone, without asking the drafter (on text that repeats itself the branch is what gets
+    accepted, and a drafted tree beside it makes the step dearer than the tokens it adds).
     """
 
     policy: str = "dynamic"  # chain | static | dynamic (EAGLE-2)
@@ -46,6 +48,8 @@ class TreeConfig:
     static_paths: list[list[int]] | None = None  # static: the tree as child-rank paths, e.g. [[0], [1], [0, 0]]
     lookup_ngram: int = 0  # graft a prompt-lookup branch matching the last N tokens (0 = off)
     lookup_tokens: int = 0  # length of the lookup branch; 0 = the tree's depth
+    # when the lookup matched an n-gram at least this long, verify its branch alone: no draft that step (0 = never)
+    lookup_alone: int = 0
 
     def validate(self) -> TreeConfig:
         """Raise EagleError on an inconsistent configuration; return self."""
@@ -56,6 +60,11 @@ class TreeConfig:
         if not isinstance(self.lookup_tokens, int) or self.lookup_tokens < 0:
             raise EagleError(
                 f"tree lookup_tokens must be an integer >= 0 (0 = as deep as the tree), got {self.lookup_tokens!r}"
+            )
+        if not isinstance(self.lookup_alone, int) or not 0 <= self.lookup_alone <= self.lookup_ngram:
+            raise EagleError(
+                f"tree lookup_alone must be an integer from 0 (never) to lookup_ngram ({self.lookup_ngram}): the "
+                f"n-gram length from which a lookup match is verified without a draft; got {self.lookup_alone!r}"
             )
         if self.policy not in POLICIES:
             raise EagleError(f"tree policy {self.policy!r} is unknown; use one of {', '.join(POLICIES)}")
@@ -127,13 +136,18 @@ def as_chain(cfg: TreeConfig) -> TreeConfig:
 def lookup_continuation(history: Sequence[int], max_ngram: int, num_tokens: int) -> list[int]:
     """Prompt lookup: up to ``num_tokens`` tokens that followed the latest earlier occurrence of the last n-gram
     of ``history`` (trying n = max_ngram down to 1); [] when nothing matches."""
+    return lookup_match(history, max_ngram, num_tokens)[0]
+
+
+def lookup_match(history: Sequence[int], max_ngram: int, num_tokens: int) -> tuple[list[int], int]:
+    """:func:`lookup_continuation` and the length of the n-gram it matched (0 when nothing matches)."""
     length = len(history)
     for n in range(min(max_ngram, length - 1), 0, -1):
         tail = list(history[length - n :])
         for start in range(length - n - 1, -1, -1):
             if history[start] == tail[0] and list(history[start : start + n]) == tail:
-                return list(history[start + n : start + n + num_tokens])
-    return []
+                return list(history[start + n : start + n + num_tokens]), n
+    return [], 0
 
 
 def graft_chain(tree: DraftTree, chain: Sequence[int]) -> DraftTree:

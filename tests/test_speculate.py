@@ -727,3 +727,33 @@ def test_the_verification_forward_makes_the_rows_of_the_likely_path_and_of_the_l
     finally:
         count_lm_head_rows.handle.remove()
     assert tree.lookup_nodes == [4, 5, 6] and rows[0] == 6
+
+
+@pytest.mark.parametrize("alone", [0, 2])
+def test_a_lookup_match_long_enough_is_verified_alone_without_asking_the_drafter(alone):
+    """``lookup_alone``: a step whose prompt lookup matched at least that long an n-gram verifies the lookup
+    branch alone; the output stays the target's, and the drafter drafts only on the other steps."""
+    model = target("llama-v16")  # 16 tokens: the context repeats n-grams often
+
+    class Counting(NoisyOracle):
+        drafts = 0
+
+        def draft(self, root_token, tree_cfg):
+            Counting.drafts += 1
+            return super().draft(root_token, tree_cfg)
+
+    tree = replace(TREES["dynamic"], lookup_ngram=3, lookup_tokens=6, lookup_alone=alone)
+    res = speculative_generate(model, Counting(model), prompt(vocab=16), 40, tree)
+    check_result(res, reference("llama-v16", 0, 40))
+    if alone:
+        assert 0 < Counting.drafts < res.target_forwards  # some steps went without the drafter
+    else:
+        assert Counting.drafts == res.target_forwards
+
+
+def test_lookup_alone_needs_a_lookup_branch_at_least_that_long():
+    for bad in (-1, 4, 1.5):
+        with pytest.raises(EagleError, match="lookup_alone"):
+            TreeConfig(lookup_ngram=3, lookup_alone=bad).validate()
+    with pytest.raises(EagleError, match="lookup_alone"):
+        TreeConfig(lookup_alone=1).validate()  # no lookup branch at all
