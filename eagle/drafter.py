@@ -100,6 +100,8 @@ class HeadDrafter:
         self.cache = HeadCache()
         self.last_out: torch.Tensor | None = None  # [1, 1, h]: output of the last committed entry
         self.prefill_chunk = PREFILL_CHUNK
+        # accepted entries not run through the head yet: (target features [1, m, k*h], next tokens [m]) per step
+        self.queued: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     @property
     def device(self) -> torch.device:
@@ -158,6 +160,7 @@ class HeadDrafter:
         shifted = torch.nn.functional.pad(shifted, (0, pad))
         feats = torch.nn.functional.pad(self._target_features(hidden_states), (0, 0, 0, pad))
         self.cache = HeadCache()
+        self.queued = []
         for start in range(0, n + pad, chunk):
             piece = slice(start, start + chunk)
             positions = torch.arange(start, start + chunk, device=self.device)
@@ -170,16 +173,29 @@ class HeadDrafter:
     def accept(
         self, accepted: torch.Tensor, hidden_states: tuple[torch.Tensor, ...], next_tokens: torch.Tensor
     ) -> None:
-        """Add one head entry per accepted node: its real target feature with the embedding of the next token."""
-        n, m = self.cache.length, accepted.numel()
+        """Queue one head entry per accepted node: its real target feature with the embedding of the next token.
+        The queue runs through the head when it next drafts (:meth:`catch_up`): steps verified without a draft
+        (``TreeConfig.lookup_alone``) then cost no head forward of their own."""
+        self.queued.append((self._target_features(hidden_states, accepted), next_tokens.to(self.device)))
+
+    @torch.no_grad()
+    def catch_up(self) -> None:
+        """Run the queued entries through the head, every step since the last draft in one forward; the head's
+        cache then holds the committed sequence."""
+        if not self.queued:
+            return
+        features = torch.cat([f for f, _ in self.queued], dim=1)
+        tokens = torch.cat([t for _, t in self.queued])
+        self.queued = []
+        n, m = self.cache.length, tokens.numel()
         positions = torch.arange(n, n + m, device=self.device)
-        hidden = self._features(hidden_states, accepted)
-        out = self._run(next_tokens.to(self.device), hidden, positions, self._append_mask(m))
+        out = self._run(tokens, self.head.project(features), positions, self._append_mask(m))
         self.last_out = out[:, -1:]
 
     @torch.no_grad()
     def draft(self, root_token: int, tree_cfg: TreeConfig) -> DraftTree:
         """Grow a tree from the last committed output; the head cache is back at its committed length after."""
+        self.catch_up()
         if self.last_out is None:
             raise EagleError("HeadDrafter.draft called before prefill: call prefill with the prompt first")
         n = self.cache.length

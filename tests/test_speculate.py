@@ -153,6 +153,7 @@ def test_untrained_head_keeps_greedy_output(family, kind, policy):
     drafter = HeadDrafter(head(family, kind))
     res = speculative_generate(model, drafter, prompt(), N_NEW, TREES[policy], sampling=Sampling(eos_token_ids=eos_ids(model)), )
     check_result(res, reference(family))
+    drafter.catch_up()
     assert drafter.cache.length == T + sum(res.accept_lengths[:-1])  # head cache = committed length - 1
 
 
@@ -266,8 +267,9 @@ def features(model, ids: torch.Tensor, kind: str) -> tuple[tuple[torch.Tensor, .
     return hs, (torch.cat([hs[i] for i in (1, 2, 3)], -1) if kind == "eagle3" else hs[-1])
 
 
+@pytest.mark.parametrize("split", [None, 2])
 @pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
-def test_head_drafter_matches_recompute(kind):
+def test_head_drafter_matches_recompute(kind, split):
     model, hd = target("llama"), head("llama", kind)
     ids, root = prompt(5), 17
     hs, feats = features(model, ids, kind)
@@ -301,7 +303,12 @@ def test_head_drafter_matches_recompute(kind):
     ).hidden_states
     bonus = 33
     next_tokens = torch.cat([tree.tokens[accepted[1:]], torch.tensor([bonus])])
-    drafter.accept(accepted, tree_hs, next_tokens)
+    # the same path as two accepts (two steps without a draft between them) queues both and catches up at once
+    parts = [slice(0, None)] if split is None else [slice(0, split), slice(split, None)]
+    for part in parts:
+        drafter.accept(accepted[part], tree_hs, next_tokens[part])
+    assert drafter.cache.length == T and len(drafter.queued) == len(parts)  # queued until the head next drafts
+    drafter.catch_up()
     committed = torch.cat([ids[0], tree.tokens[accepted]])[None]
     fresh = HeadDrafter(hd)
     fresh.prefill(committed, features(model, committed, kind)[0], bonus)
@@ -389,6 +396,7 @@ def test_prompt_lookup_branch_keeps_greedy_output_and_accepts_repeats(policy):
         drafter = HeadDrafter(head("llama-v16", "eagle1"))
         res = speculative_generate(small, drafter, prompt(vocab=16), 40, cfg)
         check_result(res, ref)
+        drafter.catch_up()
         assert drafter.cache.length == T + sum(res.accept_lengths[:-1])
         taus[cfg.lookup_ngram] = res.mean_accept_length
     assert taus[3] > taus[0] + 0.3, taus
@@ -417,6 +425,7 @@ def test_lookup_branch_longer_than_the_tree_accepts_past_its_depth():
         drafter = HeadDrafter(head("llama-v16", "eagle1"))
         res[cfg.lookup_tokens] = out = speculative_generate(small, drafter, prompt(vocab=16), 40, cfg)
         check_result(out, ref)
+        drafter.catch_up()
         assert drafter.cache.length == T + sum(out.accept_lengths[:-1])
     assert len(res[0].accepted_per_depth) == 2 and len(res[10].accepted_per_depth) == 10
     assert max(res[0].accept_lengths) <= 3 < max(res[10].accept_lengths)
