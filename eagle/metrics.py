@@ -32,6 +32,8 @@ class PromptRun:
     prompt_ids: list[int] | None = None
     mismatch: dict[str, Any] | None = None  # eagle.exactness.diagnose_mismatch, greedy runs that differ
     chain: GenerationResult | None = None  # speculative decoding with a chain of eval.chain_depth drafts
+    turn: int = 1  # of a multi-turn question (MT-bench): the later turns follow the target's own answers
+    category: str | None = None  # the question's category, where the prompt set has them (MT-bench's 8)
 
 
 def _rate(tokens: int, seconds: float) -> float | None:
@@ -123,6 +125,23 @@ def chain_summary(chains: Sequence[GenerationResult | None], base_tps: float | N
     }
 
 
+def breakdown(runs: Sequence[PromptRun], temperature: float) -> dict[str, Any]:
+    """Per prompt set with categories or several turns (MT-bench): the summary of each category and each turn,
+    in the order they first appear."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(r.set_name for r in runs):
+        mine = [r for r in runs if r.set_name == name]
+        categories = list(dict.fromkeys(r.category for r in mine if r.category is not None))
+        turns = sorted({r.turn for r in mine})
+        if not categories and turns == [1]:
+            continue
+        out[name] = {
+            "category": {c: summarize([r for r in mine if r.category == c], temperature) for c in categories},
+            "turn": {str(t): summarize([r for r in mine if r.turn == t], temperature) for t in turns},
+        }
+    return out
+
+
 def prompt_record(r: PromptRun) -> dict[str, Any]:
     rec: dict[str, Any] = {
         "set": r.set_name,
@@ -132,7 +151,10 @@ def prompt_record(r: PromptRun) -> dict[str, Any]:
         "target_forwards": r.spec.target_forwards,
         "acceptance_length_mean": r.spec.mean_accept_length if r.spec.accept_lengths else None,
         "time_s": r.spec.total_time,
+        "turn": r.turn,
     }
+    if r.category is not None:
+        rec["category"] = r.category
     if r.plain is not None:
         rec["baseline_new_tokens"] = len(r.plain.tokens)
         rec["baseline_time_s"] = r.plain.total_time
@@ -207,9 +229,31 @@ def print_report_table(report: dict[str, Any], console: Any = None) -> None:
             _fmt(None if s["greedy_match_rate"] is None else 100 * s["greedy_match_rate"], ".0f", "%"),
         )
     console.print(table)
+    for name, parts in (report.get("breakdown") or {}).items():
+        print_breakdown_table(name, parts, console)
     speed_line = describe(report.get("speed_model"), "chain tau" if tree["policy"] == "chain" else "tree tau")
     if speed_line:
         console.print(speed_line, highlight=False)
+
+
+def print_breakdown_table(name: str, parts: dict[str, Any], console: Any) -> None:
+    """A multi-turn or categorised set the way speculative-decoding papers show it: one column per category and
+    per turn, rows for tau (tree and chain) and the speedups."""
+    from rich import box
+    from rich.table import Table
+
+    columns = {**parts["category"], **{f"turn {t}": s for t, s in parts["turn"].items()}}
+    table = Table(box=box.SIMPLE_HEAD, padding=(0, 1), pad_edge=False, collapse_padding=True,
+                  title=f"{name}: by category and turn")
+    table.add_column("", no_wrap=True)
+    for col in columns:
+        table.add_column(col.replace("_", " ").replace(" ", "\n", 1), justify="right")
+    rows = (("n", "num_prompts", "d", ""), ("tau", "acceptance_length_mean", ".2f", ""),
+            ("tau chain", "chain_acceptance_length_mean", ".2f", ""), ("speedup", "speedup", ".2f", "x"),
+            ("PLD speedup", "prompt_lookup_speedup", ".2f", "x"))
+    for label, key, spec, suffix in rows:
+        table.add_row(label, *(_fmt(s.get(key), spec, suffix) for s in columns.values()))
+    console.print(table)
 
 
 def versions() -> dict[str, Any]:

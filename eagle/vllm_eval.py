@@ -199,7 +199,8 @@ def _prompt_runs(sets: list, flat: list, spec: list[dict[str, Any]],
 def _decode_job(cfg: EvalConfig, draft: str, target_dir: str, dtype: str, ks: Sequence[int],
                 trust_remote_code: bool) -> tuple[list, list, Job]:
     """The prompt sets, the prompts in one list of (set, id, token ids), and the worker's job that decodes them
-    with a head engine per k and (``cfg.baseline``) a plain one."""
+    with a head engine per k and (``cfg.baseline``) a plain one. Multi-turn questions (MT-bench) run their first
+    turn here: a later turn needs the answer to the one before, which a one-job decode does not have."""
     from eagle.targets import load_tokenizer
 
     tokenizer = load_tokenizer(target_dir, trust_remote_code=trust_remote_code)

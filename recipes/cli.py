@@ -56,7 +56,8 @@ def _add_stage_flags(name: str, p: argparse.ArgumentParser) -> None:
         p.add_argument("--target", default=None, help="HF model id or path (default: the config's)")
         p.add_argument("--draft", default=None, help="exported draft directory (model.safetensors + config.json)")
         p.add_argument("--prompts", action="append", default=None,
-                       help="prompts JSONL or a named set (dev-chat, dev-code, humaneval, chitchat-eval); repeatable")
+                       help="prompts JSONL, hf:<dataset>[:split], or a named set (dev-chat, dev-code, humaneval, mt-bench, "
+                            "chitchat-eval); repeatable")
         p.add_argument("--max-new-tokens", type=int, default=None)
         p.add_argument("--temperature", type=float, default=None)
         p.add_argument("--out", default=None, help="report.json path (plots are written beside it)")

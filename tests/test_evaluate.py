@@ -9,6 +9,7 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 from rich.console import Console
 
 from eagle.drafter import OracleDrafter
@@ -476,3 +477,167 @@ def test_a_target_with_a_recurrent_state_is_verified_in_chains_and_the_report_sa
     assert report["overall"]["greedy_match_rate"] == 1.0
     assert report["overall"]["acceptance_length_mean"] > 2  # the oracle's chains are accepted
     assert "one path verified a step" in " ".join(console.export_text().split())
+
+
+# ------------------------------------------------------------------ multi-turn questions (MT-bench) and sampling
+
+MT_QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["Write a haiku about rain.", "Now make it about snow."]},
+    {"question_id": 2, "category": "math", "turns": ["What is 12 times 7?", "And divided by 3?"]},
+    {"question_id": 3, "category": "writing", "turns": ["Name three colours.", "Sort them by length."]},
+]
+
+
+@pytest.fixture(scope="module")
+def mt_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mt") / "question.jsonl"  # MT-bench's own question-file shape
+    path.write_text("".join(json.dumps(q) + "\n" for q in MT_QUESTIONS))
+    return path
+
+
+def _pooled(records: list[dict], key: str = "acceptance_length_mean") -> float:
+    """tau pooled over verification steps, from the per-prompt records alone."""
+    return sum(r[key] * r["target_forwards"] for r in records) / sum(r["target_forwards"] for r in records)
+
+
+def _speedup(records: list[dict]) -> float:
+    spec = sum(r["new_tokens"] for r in records) / sum(r["time_s"] for r in records)
+    plain = sum(r["baseline_new_tokens"] for r in records) / sum(r["baseline_time_s"] for r in records)
+    return spec / plain
+
+
+def test_multi_turn_questions_ask_the_second_turn_after_the_targets_own_answer(tmp_path, target, draft_dir,
+                                                                               mt_file):
+    """Each question's second turn runs right after its first, on the conversation with plain decoding's
+    answer; the report breaks tau and speedup down by category and by turn, and prints that table."""
+    from eagle.evaluate import eos_token_ids
+    from eagle.prompts import prompt_token_ids
+    from eagle.sampling import Sampling
+    from eagle.speculate import plain_generate
+
+    console = Console(record=True, width=200, file=open("/dev/null", "w"))  # noqa: SIM115
+    report = evaluate(_cfg(tmp_path, draft_dir, mt_file, chain_depth=2), target, console=console)
+    records = report["prompts"]
+    assert [(r["id"], r["turn"], r["category"]) for r in records] == [
+        ("1", 1, "writing"), ("1", 2, "writing"), ("2", 1, "math"), ("2", 2, "math"),
+        ("3", 1, "writing"), ("3", 2, "writing")]
+    assert report["settings"]["prompts_not_run"] == 0
+    # the second turn's prompt holds the first turn's plain answer: check its length against a re-render
+    for q in MT_QUESTIONS:
+        ids = prompt_token_ids({"messages": [{"role": "user", "content": q["turns"][0]}]}, target.tokenizer)
+        tokens = plain_generate(target.model, torch.tensor([ids]), 12,
+                                Sampling(eos_token_ids=tuple(eos_token_ids(target)))).tokens
+        answer = target.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        messages = [{"role": "user", "content": q["turns"][0]}, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": q["turns"][1]}]
+        second = next(r for r in records if r["id"] == str(q["question_id"]) and r["turn"] == 2)
+        assert second["prompt_tokens"] == len(prompt_token_ids({"messages": messages}, target.tokenizer))
+    parts = report["breakdown"]["question"]
+    assert list(parts["category"]) == ["writing", "math"] and list(parts["turn"]) == ["1", "2"]
+    for group, pick in (("category", lambda r, c: r["category"] == c), ("turn", lambda r, t: str(r["turn"]) == t)):
+        for value, summary in parts[group].items():
+            mine = [r for r in records if pick(r, value)]
+            assert summary["num_prompts"] == len(mine)
+            assert summary["acceptance_length_mean"] == pytest.approx(_pooled(mine))
+            assert summary["chain_acceptance_length_mean"] == pytest.approx(
+                _pooled(mine, "chain_acceptance_length_mean"))
+            assert summary["speedup"] == pytest.approx(_speedup(mine))
+    text = console.export_text()
+    assert "question: by category and turn" in text and "writing" in text and "turn 2" in text
+
+
+def test_follow_up_turns_are_named_in_order_and_refuse_a_prompt_without_one(tokenizer):
+    from eagle.prompts import EvalPrompt, next_turn
+
+    first = EvalPrompt("q", [1], "math", ({"role": "user", "content": "a?"},), ("b?", "c?"))
+    second = next_turn(first, "A.", tokenizer)
+    assert second.turn == 2 and second.follow_ups == ("c?",) and second.category == "math"
+    assert [m["content"] for m in second.messages] == ["a?", "A.", "b?"]
+    third = next_turn(second, "B.", tokenizer)
+    assert third.turn == 3 and third.follow_ups == () and len(third.ids) > len(second.ids)
+    with pytest.raises(EagleError, match="has no next turn"):
+        next_turn(third, "C.", tokenizer)
+
+
+def test_mt_bench_is_a_named_set_of_80_two_turn_questions():
+    from collections import Counter
+
+    from eagle.prompts import load_prompts
+
+    rows = load_prompts("mt-bench")
+    assert len(rows) == 80 and all(len(r["messages"]) == 1 and len(r["follow_ups"]) == 1 for r in rows)
+    assert Counter(r["category"] for r in rows) == {c: 10 for c in (
+        "writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")}
+
+
+def test_hf_route_reads_gsm8k_alpaca_and_spec_bench_files(tmp_path):
+    """``hf:<file>`` reads question files in the shapes those benchmarks ship (here small local copies in the
+    same shapes; online, hf:<hub id>[:split] reads the hub's)."""
+    from eagle.prompts import load_prompts
+
+    gsm = tmp_path / "gsm8k.jsonl"
+    gsm.write_text(json.dumps({"question": "Tom has 3 apples and buys 2. How many?", "answer": "5"}) + "\n")
+    alpaca = tmp_path / "alpaca.json"
+    alpaca.write_text(json.dumps([{"instruction": "Translate to French.", "input": "Good morning", "output": "x"},
+                                  {"instruction": "Name a prime.", "input": "", "output": "2"}]))
+    spec = tmp_path / "question.jsonl"
+    spec.write_text(json.dumps({"question_id": "t-1", "category": "translation",
+                                "turns": ["Translate: hello", "Now into German."]}) + "\n")
+    (q,) = load_prompts(f"hf:{gsm}")
+    assert q["messages"] == [{"role": "user", "content": "Tom has 3 apples and buys 2. How many?"}]
+    a1, a2 = load_prompts(f"hf:{alpaca}")
+    assert a1["messages"][0]["content"] == "Translate to French.\n\nGood morning"
+    assert a2["messages"][0]["content"] == "Name a prime."
+    (s,) = load_prompts(f"hf:{spec}")
+    assert (s["id"], s["category"], s["follow_ups"]) == ("t-1", "translation", ["Now into German."])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "no question here"}) + "\n")
+    with pytest.raises(EagleError, match="'turns' \\(MT-bench, Spec-Bench\\), 'question'"):
+        load_prompts(str(bad))
+    with pytest.raises(EagleError, match="non-empty strings"):
+        spec.write_text(json.dumps({"turns": []}) + "\n")
+        load_prompts(str(spec))
+
+
+def test_sampling_settings_reach_the_loop_and_the_figures_follow_from_the_runs(tmp_path, target, draft_dir,
+                                                                               prompts_file, monkeypatch):
+    """At T=1 with top-p and top-k: every generation gets the eval's sampling settings (top_k=1 makes sampling
+    greedy, so the output must equal greedy decoding), and every summary figure is recomputed from the
+    per-prompt records."""
+    import eagle.evaluate as ev
+    from eagle.sampling import Sampling
+
+    seen, plain_generate = [], ev.plain_generate
+    # where each generation function takes the prompt ids and the Sampling, positionally as evaluate calls them
+    positions = {"speculative_generate": (2, 5), "plain_generate": (1, 3)}
+    for name, (ids_at, sampling_at) in positions.items():
+        real = getattr(ev, name)
+
+        def spy(*args, _real=real, _at=(ids_at, sampling_at), **kw):  # records, then runs the real function
+            result = _real(*args, **kw)
+            seen.append((args[_at[1]], args[_at[0]][0].tolist(), result.tokens))
+            return result
+
+        monkeypatch.setattr(ev, name, spy)
+    cfg = _cfg(tmp_path, draft_dir, prompts_file, temperature=1.0, top_p=0.9, top_k=1, prompt_lookup=False)
+    report = evaluate(cfg, target, console=_quiet())
+    eos = tuple(report["settings"]["eos_token_ids"])
+    # speculative and plain on 3 prompts (the chain is the tree here, so it is not run twice)
+    assert len(seen) == 2 * 3 and all(s == Sampling(1.0, 0.9, 1, eos) for s, _, _ in seen)
+    greedy = Sampling(eos_token_ids=eos)
+    for _, prompt, tokens in seen:
+        assert tokens == plain_generate(target.model, torch.tensor([prompt]), len(tokens), greedy).tokens
+    cfg = _cfg(tmp_path, draft_dir, prompts_file, temperature=1.0, top_p=0.8, top_k=30, prompt_lookup=False)
+    report = evaluate(cfg, target, console=_quiet())
+    records = report["prompts"]
+    for summary, mine in ((report["overall"], records), (report["prompt_sets"]["mini"], records)):
+        assert summary["num_prompts"] == len(mine) == 3
+        assert summary["new_tokens"] == sum(r["new_tokens"] for r in mine)
+        assert summary["target_forwards"] == sum(r["target_forwards"] for r in mine)
+        assert summary["acceptance_length_mean"] == pytest.approx(_pooled(mine))
+        assert summary["acceptance_length_median"] == pytest.approx(
+            statistics.median(r["acceptance_length_mean"] for r in mine))
+        assert summary["chain_acceptance_length_mean"] == pytest.approx(_pooled(mine, "chain_acceptance_length_mean"))
+        assert summary["speedup"] == pytest.approx(_speedup(mine))
+    assert (report["settings"]["temperature"], report["settings"]["top_p"], report["settings"]["top_k"]) == (
+        1.0, 0.8, 30)

