@@ -1,8 +1,14 @@
 """Chat records in the two common JSON shapes, read with errors that name the file and line.
 
-A conversation is ``list[{"role": "system"|"user"|"assistant", "content": str}]``. Records come as ShareGPT
+A conversation is a list of messages ``{"role": "system"|"user"|"assistant"|"tool", "content": str}``; an
+assistant message may also carry ``reasoning_content`` (its thinking) and ``tool_calls`` (``[{"type":
+"function", "function": {"name": str, "arguments": dict}}]``), a tool result ``name`` / ``tool_call_id``, and the
+first message the record's ``tools`` (function definitions, passed to the chat template). Records come as ShareGPT
 (``conversations`` of ``from`` / ``value``) or OpenAI (``messages`` of ``role`` / ``content``) objects, in a JSON
 list, a single JSON object, or JSONL (optionally gzipped). Used by training sources and evaluation prompt sets alike.
+
+Thinking that opens an assistant's content (``<think>...</think>``) is split into ``reasoning_content``, so that
+every chat template gets it the one way templates read it. Tool-call arguments given as a JSON string (OpenAI's wire format) become a dict.
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from typing import Any
 
 from eagle.errors import EagleError
 
-Message = dict[str, str]
+Message = dict[str, Any]
 
 ROLE_NAMES: dict[str, str] = {
     "system": "system",
@@ -28,7 +34,16 @@ ROLE_NAMES: dict[str, str] = {
     "bing": "assistant",
     "bard": "assistant",
     "model": "assistant",
+    "tool": "tool",
+    "function": "tool",  # OpenAI's legacy function results
+    "observation": "tool",  # ShareGPT tool results (LLaMA-Factory)
+    "ipython": "tool",  # Llama 3.1's tool results
+    "function_call": "assistant",  # ShareGPT: an assistant turn whose value is the call(s) as JSON
+    "tool_call": "assistant",
 }
+CALL_ROLES = ("function_call", "tool_call")  # ShareGPT roles whose value is a tool call, not text
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")  # DeepSeek/vLLM, OpenRouter, gpt-oss spellings
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def _content_text(content: Any, where: str) -> str:
@@ -41,6 +56,162 @@ def _content_text(content: Any, where: str) -> str:
         f"{where}: message content must be a string or a list of text parts, got {type(content).__name__}; "
         "convert the record to plain-text messages"
     )
+
+
+def split_thinking(text: str, where: str, strict: bool = True) -> tuple[str | None, str]:
+    """``(reasoning, content)`` of an assistant text that opens with ``<think>R</think>C``; ``(None, text)`` when
+    it does not open with thinking (a tag elsewhere is just text, say in an answer about XML).
+
+    ``strict`` (records): a block that is never closed, or a second one, raises EagleError. Otherwise (the target's
+    own answer): a block cut by the token limit is all reasoning, and ``R</think>C`` without the opening tag (a
+    generation prompt that opens the block itself) splits too."""
+    body = text.lstrip()
+    if body.startswith(THINK_OPEN):
+        body = body[len(THINK_OPEN):]
+    elif strict or THINK_CLOSE not in text or THINK_OPEN in text:
+        return None, text
+    reasoning, closed, content = body.partition(THINK_CLOSE)
+    problem = None
+    if not closed:
+        if not strict:
+            return reasoning.strip(), ""  # cut while thinking: everything written so far is reasoning
+        problem = f"opens {THINK_OPEN} and never closes it"
+    elif THINK_OPEN in content or THINK_CLOSE in content:
+        problem = "holds more than one thinking block"
+    if problem is None:
+        return reasoning.strip(), content.lstrip()
+    if not strict:
+        return None, text
+    raise EagleError(
+        f"{where}: the assistant message {problem}; write each assistant turn's thinking as one "
+        f"{THINK_OPEN}...{THINK_CLOSE} block at its start (or in 'reasoning_content')"
+    )
+
+
+def _arguments(args: Any, where: str, name: str) -> dict[str, Any]:
+    """A tool call's arguments as a dict; OpenAI sends them as a JSON string."""
+    if args is None or (isinstance(args, str) and not args.strip()):
+        return {}
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError as e:
+            raise EagleError(
+                f"{where}: the arguments of tool call {name!r} are not valid JSON ({e.msg} at character {e.pos}: "
+                f"{args[:60]!r}); write them as a JSON object (a dict, or a string holding one)"
+            ) from e
+    if not isinstance(args, dict):
+        raise EagleError(
+            f"{where}: the arguments of tool call {name!r} are a JSON {type(args).__name__}, not an object; "
+            "write them as a JSON object of named parameters"
+        )
+    return args
+
+
+def _tool_call(call: Any, where: str) -> dict[str, Any]:
+    """One call as ``{"type": "function", "function": {"name", "arguments"}}`` (plus its ``id``), from OpenAI's
+    nested shape or the flat ``{"name", "arguments"}`` of ShareGPT ``function_call`` turns."""
+    if isinstance(call, str):  # a ShareGPT function_call value: the call as JSON text
+        try:
+            call = json.loads(call)
+        except json.JSONDecodeError as e:
+            raise EagleError(
+                f"{where}: the tool call is not valid JSON ({e.msg} at character {e.pos}); write it as "
+                '{"name": ..., "arguments": {...}}'
+            ) from e
+    fn = call.get("function", call) if isinstance(call, dict) else None
+    if not isinstance(fn, dict):
+        raise EagleError(f"{where}: a tool call must be an object with a 'name' and 'arguments', got {call!r:.80}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise EagleError(
+            f"{where}: a tool call has no function name (got {fn!r:.80}); give every call a 'name' "
+            "(OpenAI: tool_calls[].function.name)"
+        )
+    out: dict[str, Any] = {"type": "function", "function": {
+        "name": name, "arguments": _arguments(fn.get("arguments", fn.get("parameters")), where, name)}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    if isinstance(calls, str) and calls.strip().startswith("["):  # ShareGPT: several calls in one JSON list
+        try:
+            calls = json.loads(calls)
+        except json.JSONDecodeError as e:
+            raise EagleError(f"{where}: the tool calls are not valid JSON ({e.msg}); write them as a JSON list "
+                             "of {\"name\": ..., \"arguments\": {...}}") from e
+    calls = calls if isinstance(calls, list) else [calls]
+    return [_tool_call(c, f"{where} tool call {j}") for j, c in enumerate(calls)]
+
+
+def _reasoning(turn: dict[str, Any], role: str, where: str) -> str | None:
+    """The turn's thinking field (any of its spellings); only an assistant turn may have one."""
+    value = next((turn[k] for k in REASONING_KEYS if turn.get(k) not in (None, "")), None)
+    if value is None:
+        return None
+    if role != "assistant":
+        raise EagleError(
+            f"{where}: a {role} message has thinking ({'/'.join(REASONING_KEYS)}); only assistant turns think: "
+            "move it to the assistant turn that wrote it, or drop it"
+        )
+    if not isinstance(value, str):
+        raise EagleError(f"{where}: thinking must be a string, got {type(value).__name__}; give it as text")
+    return value
+
+
+def _message(turn: dict[str, Any], where: str) -> Message:
+    """One message, its tool calls, thinking and tool-result fields normalised."""
+    name = turn.get("from", turn.get("role"))
+    key = str(name).strip().lower()
+    role = ROLE_NAMES.get(key) if name is not None else None
+    if role is None:
+        raise EagleError(
+            f"{where} has unknown role {name!r}; known roles: {sorted(ROLE_NAMES)} "
+            "(rename or drop such messages before preparing)"
+        )
+    content = turn.get("value", turn.get("content"))
+    if key in CALL_ROLES:  # the value is the call, not text
+        return {"role": "assistant", "content": "", "tool_calls": _tool_calls(content, where)}
+    calls = turn.get("tool_calls") or turn.get("function_call")
+    if content is None and not (calls and role == "assistant"):
+        raise EagleError(f"{where} has no 'value' or 'content'")
+    message: Message = {"role": role, "content": _content_text(content or "", where)}
+    reasoning = _reasoning(turn, role, where)
+    if role == "assistant":
+        inline, message["content"] = split_thinking(message["content"], where)
+        if inline is not None and reasoning is not None:
+            raise EagleError(f"{where}: the assistant message has thinking both in its content ({THINK_OPEN}) and "
+                             "in reasoning_content; keep one of them")
+        reasoning = reasoning if reasoning is not None else inline
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if calls:
+        if role != "assistant":
+            raise EagleError(f"{where}: a {role} message has tool_calls; only assistant turns call tools")
+        message["tool_calls"] = _tool_calls(calls, where)
+    if role == "tool":
+        for field in ("name", "tool_call_id"):
+            if isinstance(turn.get(field), str):
+                message[field] = turn[field]
+    return message
+
+
+def _tools(record: dict[str, Any], where: str) -> list[dict[str, Any]] | None:
+    """The record's function definitions (OpenAI ``tools``, or ShareGPT's JSON string of them), for the template."""
+    tools = record.get("tools")
+    if tools in (None, "", []):
+        return None
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise EagleError(f"{where}: 'tools' is not valid JSON ({e.msg}); give a JSON list of tool "
+                             "definitions") from e
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise EagleError(f"{where}: 'tools' must be a list of tool definitions (objects)")
+    return tools
 
 
 def parse_record(record: Any, where: str) -> list[Message]:
@@ -61,17 +232,10 @@ def parse_record(record: Any, where: str) -> list[Message]:
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
             raise EagleError(f"{where}: message {i} is not an object")
-        name = turn.get("from", turn.get("role"))
-        role = ROLE_NAMES.get(str(name).strip().lower()) if name is not None else None
-        if role is None:
-            raise EagleError(
-                f"{where}: message {i} has unknown role {name!r}; known roles: {sorted(ROLE_NAMES)} "
-                "(rename or drop such messages before preparing)"
-            )
-        content = turn.get("value", turn.get("content"))
-        if content is None:
-            raise EagleError(f"{where}: message {i} has no 'value' or 'content'")
-        messages.append({"role": role, "content": _content_text(content, f"{where} message {i}")})
+        messages.append(_message(turn, f"{where}: message {i}"))
+    tools = _tools(record, where)
+    if tools and messages:
+        messages[0]["tools"] = tools  # travels with the conversation; train.chat_template passes it as tools=
     return messages
 
 

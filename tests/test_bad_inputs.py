@@ -136,6 +136,13 @@ def chat(user: str, answer: str) -> dict:
     return {"messages": [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]}
 
 
+def tool_chat(function: dict) -> dict:
+    """A conversation whose answer calls a tool, OpenAI-style, with ``function`` as the call."""
+    call = {"id": "c1", "type": "function", "function": function}
+    return {"messages": [{"role": "user", "content": "weather?"},
+                         {"role": "assistant", "content": None, "tool_calls": [call]}]}
+
+
 def first_shard(features: Path) -> Path:
     return sorted((features / "train").glob("shard-*.safetensors"))[0]
 
@@ -478,6 +485,32 @@ CASES = [
         r"rename or drop such messages",
     ),
     Case(
+        "data-tool-call-without-name",
+        lambda r, t: prepare_with(r, t, jsonl(tool_chat({"arguments": "{}"}))),
+        r"line 1: message 1 tool call 0: a tool call has no function name",
+        r"give every call a 'name'",
+    ),
+    Case(
+        "data-tool-arguments-not-json",
+        lambda r, t: prepare_with(r, t, jsonl(tool_chat({"name": "get_weather", "arguments": "{city: Paris"}))),
+        r"line 1: message 1 tool call 0: the arguments of tool call 'get_weather' are not valid JSON",
+        r"write them as a JSON object",
+    ),
+    Case(
+        "data-thinking-outside-assistant",
+        lambda r, t: prepare_with(r, t, jsonl({"messages": [
+            {"role": "user", "content": "hi", "reasoning_content": "I wonder"},
+            {"role": "assistant", "content": "hello"}]})),  # fmt: skip
+        r"line 1: message 0: a user message has thinking",
+        r"only assistant turns think: move it to the assistant turn that wrote it, or drop it",
+    ),
+    Case(
+        "data-unclosed-thinking",
+        lambda r, t: prepare_with(r, t, jsonl(chat("hi", "<think>Let me see"))),
+        r"line 1: message 1: the assistant message opens <think> and never closes it",
+        r"write each assistant turn's thinking as one <think>\.\.\.</think> block",
+    ),
+    Case(
         "data-huge-conversation",
         lambda r, t: prepare_with(r, t, jsonl(chat("hi", "word " * 20_000)), "data.on_overlong=error"),
         r"has \d+ tokens > data\.max_length=64",
@@ -667,7 +700,7 @@ CASES = [
         "prompts-missing-file",
         lambda r, t: evaluate_with(r, f"--prompts={t / 'none.jsonl'}"),
         r"prompts file .*none\.jsonl' does not exist",
-        r"give a JSONL file or one of",
+        r"give a JSONL file, hf:<dataset>\[:split\] or one of",
     ),
     Case(
         "prompts-not-utf8",
@@ -690,8 +723,8 @@ CASES = [
     Case(
         "prompts-no-prompt-field",
         lambda r, t: eval_prompts(r, t, jsonl({"text": "a"})),
-        r"line 1: expected a 'messages' list or a 'prompt' string",
-        r"'messages' list or a 'prompt' string",
+        r"line 1: expected 'messages', 'prompt', 'turns' \(MT-bench, Spec-Bench\), 'question' \(GSM8K\)",
+        r"'instruction' \(Alpaca\); found keys \['text'\]",
     ),
     Case(
         "prompts-empty-prompt",

@@ -34,9 +34,10 @@ from eagle.deadline import Deadline, check_minutes
 from eagle.devices import model_device, model_dtype
 from eagle.errors import EagleError
 from eagle.fileio import write_json_atomic
+from eagle.records import Message
 from eagle.targets import resolve_target
 from eagle.vllm_engine import VllmConfig
-from train.chat_template import check_template, special_token_ids, tokenize_conversation
+from train.chat_template import check_template, drop_thinking, special_token_ids, tokenize_conversation
 from train.collect import CollectConfig
 from train.launch import process_state
 from train.regen_features import CaptureSpec, capture_dir
@@ -47,6 +48,12 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 ON_OVERLONG = ("truncate", "skip", "error")
+THINKING = ("keep", "drop")
+ON_CUT_ANSWER = ("keep", "drop", "error")
+# apply_chat_template's own arguments: data.chat_template_kwargs must not set them
+_TEMPLATE_ARGS = ("conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                  "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+                  "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
 REGEN_DTYPES = ("float32", "bfloat16", "float16")
 REGEN_ENGINES = ("hf", "vllm")
 
@@ -84,6 +91,16 @@ class DataConfig:
     # batching; eagle collect then computes the features); data.vllm: tensor / data parallel sizes on GPUs
     regen_engine: str = "hf"
     vllm: VllmConfig = field(default_factory=VllmConfig)
+    # assistant thinking (reasoning_content, or <think>...</think> opening the content): keep trains it where the
+    # target's chat template renders it (a reasoning target emits it when served) | drop removes it before rendering
+    thinking: str = "keep"
+    # keyword arguments for the target's chat template wherever data is rendered (prepare and regeneration), such
+    # as {enable_thinking: false} for Qwen3 without thinking
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # a regenerated answer that reached regen_max_new_tokens without ending (cut; counted in the summary's
+    # cut_answers): keep trains it, without the end-of-turn token the target never wrote | drop leaves it and the
+    # rest of its conversation out | error stops prepare
+    on_cut_answer: str = "keep"
 
     def validate(self) -> DataConfig:
         """Raise EagleError naming the bad field; return self when all is well."""
@@ -131,6 +148,16 @@ class DataConfig:
         self.vllm.validate("data.vllm")
         if self.on_overlong not in ON_OVERLONG:
             raise bad("on_overlong", f"one of {list(ON_OVERLONG)}")
+        if self.thinking not in THINKING:
+            raise bad("thinking", f"one of {list(THINKING)}")
+        if self.on_cut_answer not in ON_CUT_ANSWER:
+            raise bad("on_cut_answer", f"one of {list(ON_CUT_ANSWER)}")
+        kwargs = self.chat_template_kwargs
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) and k.isidentifier() for k in kwargs):
+            raise bad("chat_template_kwargs", "a mapping of the chat template's variable names to values, such as "
+                      "{enable_thinking: true}")
+        if set(kwargs) & set(_TEMPLATE_ARGS):
+            raise bad("chat_template_kwargs", f"free of apply_chat_template's own arguments {sorted(_TEMPLATE_ARGS)}")
         return self
 
 
@@ -194,8 +221,11 @@ def _config_hash(cfg: DataConfig, target: str, tokenizer: Any, model_fp: str | N
 
 def _regen_key(cfg: DataConfig, target: str, tokenizer: Any, model_fp: str | None) -> str:
     """What the regenerated answers depend on (not the split or the overlong policy)."""
-    keys = ("sources", "max_conversations", "seed", "max_length")
-    settings = {k: getattr(cfg, k) for k in keys}
+    # the prompts' rendering counts (template arguments, earlier turns' thinking); "cut-marks": answers files
+    # written before cut answers were marked are not reused, as their cut answers would pass as finished
+    keys = ("sources", "max_conversations", "seed", "max_length", "chat_template_kwargs", "thinking")
+    settings: dict[str, Any] = {k: getattr(cfg, k) for k in keys}
+    settings["answers"] = "cut-marks"
     settings.update(
         {k: v for k, v in dataclasses.asdict(cfg).items() if k.startswith("regen_") and k not in _NOT_IDENTITY}
     )
@@ -255,6 +285,24 @@ def _select(cfg: DataConfig) -> tuple[list[Conversation], dict[str, dict[str, in
     return pool, stats
 
 
+def _with_cut_policy(conv: Conversation, cfg: DataConfig, counts: Counter) -> list[Message]:
+    """The conversation under ``data.on_cut_answer``: as it is (its cut answers marked, trained without an end of
+    turn), up to its first cut answer, or an error. ``counts["cut_answers"]`` counts the cut answers met."""
+    cut = [i for i, m in enumerate(conv.messages) if m.get("cut")]
+    if not cut:
+        return conv.messages
+    counts["cut_answers"] += len(cut)
+    if cfg.on_cut_answer == "error":
+        turn = sum(m["role"] == "assistant" for m in conv.messages[: cut[0]]) + 1
+        raise EagleError(
+            f"conversation {conv.id}: the target's answer to assistant turn {turn} reached data.regen_max_new_tokens"
+            f"={cfg.regen_max_new_tokens} without ending (cut); raise data.regen_max_new_tokens (a reasoning target "
+            "needs room to think), or set data.on_cut_answer to drop (leave such answers out) or keep (train them "
+            "as cut)"
+        )
+    return conv.messages if cfg.on_cut_answer == "keep" else conv.messages[: cut[0]]
+
+
 def _encode_all(
     conversations: list[Conversation], tokenizer: Any, cfg: DataConfig
 ) -> tuple[list[tuple[Conversation, list[int], list[int]]], Counter]:
@@ -265,10 +313,13 @@ def _encode_all(
     rows = []
     counts: Counter = Counter()
     for conv in tqdm(conversations, unit="conv", desc="tokenizing", mininterval=2.0, disable=None):
-        if not any(m["role"] == "assistant" for m in conv.messages):
-            counts["no_assistant_turn"] += 1
+        messages = _with_cut_policy(conv, cfg, counts)
+        if not any(m["role"] == "assistant" for m in messages):
+            counts["cut_answer" if len(messages) < len(conv.messages) else "no_assistant_turn"] += 1
             continue
-        ids, mask = tokenize_conversation(tokenizer, conv.messages, specials, where=conv.id)
+        messages = drop_thinking(messages) if cfg.thinking == "drop" else messages
+        ids, mask = tokenize_conversation(tokenizer, messages, specials, where=conv.id,
+                                          template_kwargs=cfg.chat_template_kwargs)
         if not any(mask):
             counts["no_assistant_token"] += 1  # e.g. only empty answers without an end-of-turn token
             continue
@@ -405,6 +456,7 @@ def _meta(cfg: DataConfig, ids: dict[str, Any], tokenizer: Any, stats: dict, spl
           captured: dict | None, started: float) -> dict[str, Any]:
     """``prepare_meta.json``: what was prepared, from what, and what was left out."""
     truncated = dropped.pop("truncated", 0)
+    cut = dropped.pop("cut_answers", 0)
     settings = dataclasses.asdict(cfg)
     return {
         "format": FORMAT_VERSION,
@@ -422,6 +474,8 @@ def _meta(cfg: DataConfig, ids: dict[str, Any], tokenizer: Any, stats: dict, spl
         "counts": {k: len(v) for k, v in splits.items()},
         "dropped": dict(dropped),
         "truncated": truncated,
+        # answers that reached regen_max_new_tokens unfinished, and what became of them (data.on_cut_answer)
+        "cut_answers": {"count": cut, "policy": cfg.on_cut_answer},
         "tokens": {k: sum(len(r[1]) for r in v) for k, v in splits.items()},
         "assistant_tokens": {k: sum(sum(r[2]) for r in v) for k, v in splits.items()},
         "seconds": round(time.time() - started, 1),

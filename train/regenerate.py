@@ -6,6 +6,11 @@ turn in length-sorted batches, by our batched KV-cache loop (:func:`generate_bat
 features as it answers: ``train/regen_features.py``) or by vLLM (``regen_engine: vllm``). Finished answers are
 appended to a JSONL file as they are produced, so a killed run resumes where it stopped; batches run in a seeded
 random order, so a time limit keeps a random subset of the conversations.
+
+Reasoning targets think: prompts are rendered with ``data.chat_template_kwargs`` (say ``enable_thinking``), and an
+answer's ``<think>...</think>`` becomes the turn's ``reasoning_content`` as in records. An answer that reaches
+``regen_max_new_tokens`` without a stop token is marked ``cut`` (in the answers file and on the message); unless
+``data.on_cut_answer`` keeps it, its conversation is answered no further (prepare then drops or refuses it).
 """
 
 from __future__ import annotations
@@ -24,9 +29,9 @@ import torch
 from eagle.deadline import Deadline
 from eagle.devices import model_device
 from eagle.errors import EagleError
-from eagle.records import Message
+from eagle.records import Message, split_thinking
 from eagle.vllm_engine import VllmConfig
-from train.chat_template import end_of_turn_ids, render
+from train.chat_template import drop_thinking, end_of_turn_ids, render
 from train.regen_features import CaptureSpec, FeatureCapture, write_batch
 from train.shards import STORAGE_DTYPES
 from train.sources import Conversation
@@ -49,6 +54,9 @@ class RegenSettings(Protocol):
     regen_dtype: str | None
     regen_engine: str
     vllm: VllmConfig
+    chat_template_kwargs: dict[str, Any]
+    thinking: str
+    on_cut_answer: str
 
 
 def _regen_slots(messages: list[Message], max_turns: int) -> list[Message]:
@@ -67,18 +75,45 @@ def _rank_file(path: Path, rank: int) -> Path:
     return path.with_name(f"{path.stem}.r{rank}{path.suffix}")
 
 
-def read_partial(path: Path) -> dict[tuple[str, int], str]:
-    """Finished answers of an earlier (maybe killed) run; a torn last line is ignored."""
-    done: dict[tuple[str, int], str] = {}
+Answer = tuple[str, bool]  # (text, cut: stopped by regen_max_new_tokens rather than by a stop token)
+
+
+def read_answers(path: Path, max_new_tokens: int | None = None) -> dict[tuple[str, int], Answer]:
+    """Answers of an earlier (maybe killed) run, with their cut marks; a torn last line is ignored. Lines from
+    vLLM carry their token count instead: one of ``max_new_tokens`` tokens counts as cut."""
+    done: dict[tuple[str, int], Answer] = {}
     if not path.is_file():
         return done
     for line in path.read_text(encoding="utf-8").split("\n"):
         try:
             rec = json.loads(line)
-            done[(rec["id"], int(rec["turn"]))] = rec["content"]
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            cut = rec.get("cut")
+            if cut is None:
+                cut = max_new_tokens is not None and int(rec.get("tokens", 0)) >= max_new_tokens
+            done[(rec["id"], int(rec["turn"]))] = (rec["content"], bool(cut))
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError):
             continue
     return done
+
+
+def read_partial(path: Path) -> dict[tuple[str, int], str]:
+    """Finished answers' texts of an earlier (maybe killed) run; a torn last line is ignored."""
+    return {key: text for key, (text, _) in read_answers(path).items()}
+
+
+def _answer_line(key: tuple[str, int], answer: Answer) -> str:
+    return json.dumps({"id": key[0], "turn": key[1], "content": answer[0], "cut": answer[1]}) + "\n"
+
+
+def answer_message(text: str, cut: bool, where: str) -> Message:
+    """A generated answer as an assistant message: its thinking split off as in records, and marked when cut."""
+    reasoning, content = split_thinking(text, where, strict=False)
+    message: Message = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    if cut:
+        message["cut"] = True
+    return message
 
 
 def _left_padded(prompts: list[list[int]], pad_id: int, device: torch.device
@@ -105,12 +140,14 @@ def _picker(cfg: RegenSettings, device: torch.device, seed: int) -> Callable[[to
     return pick
 
 
-def _texts(answers: list[list[int]], stop_ids: set[int], tokenizer: Any) -> list[str]:
-    """Each answer decoded up to (not including) its first stop token."""
+def _texts(answers: list[list[int]], stop_ids: set[int], tokenizer: Any, cut: list[bool] | None) -> list[str]:
+    """Each answer decoded up to (not including) its first stop token; ``cut`` gets whether it had none."""
     out = []
     for row in answers:
         end = next((j for j, tok in enumerate(row) if tok in stop_ids), len(row))
         out.append(tokenizer.decode(row[:end], skip_special_tokens=True))
+        if cut is not None:
+            cut.append(end == len(row))
     return out
 
 
@@ -123,8 +160,10 @@ def generate_batch(
     stop_ids: set[int],
     seed: int,
     capture: FeatureCapture | None = None,
+    cut: list[bool] | None = None,
 ) -> list[str]:
-    """Answers for a batch of token-id prompts (left padded), decoded up to the first stop token.
+    """Answers for a batch of token-id prompts (left padded), decoded up to the first stop token; ``cut`` (a list)
+    gets, per answer, whether it reached ``regen_max_new_tokens`` without one.
 
     A plain KV-cache loop rather than ``model.generate``: rows that have stopped leave the batch (their cache rows
     are dropped), where ``generate`` keeps computing them until the longest answer ends; regeneration is
@@ -176,7 +215,7 @@ def generate_batch(
         if final:
             break
         nxt = pick(out.logits[:, -1])
-    return _texts(answers, stop_ids, tokenizer)
+    return _texts(answers, stop_ids, tokenizer, cut)
 
 
 class _Regeneration:
@@ -206,24 +245,25 @@ class _Regeneration:
         if self.sink and self.sink.tell() and not own.read_bytes().endswith(b"\n"):
             self.sink.write("\n")  # a killed run may have left half a line: start a fresh one
 
-    def _read_answers(self) -> dict[tuple[str, int], str]:
+    def _read_answers(self) -> dict[tuple[str, int], Answer]:
         """The answers every process has logged so far (this run's and a killed run's)."""
         if self.partial_path is None:
             return {}
-        done = read_partial(self.partial_path)
+        limit = self.cfg.regen_max_new_tokens
+        done = read_answers(self.partial_path, limit)
         for path in sorted(self.partial_path.parent.glob(f"{self.partial_path.stem}.r*{self.partial_path.suffix}")):
-            done.update(read_partial(path))
+            done.update(read_answers(path, limit))
         return done
 
     def merge(self) -> None:
         """Rank 0 gathers every process's answers into the answers file (the others' files go)."""
         if self.partial_path is None or self.world == 1 or self.rank != 0:
             return
-        known = read_partial(self.partial_path)
+        known = read_answers(self.partial_path)
         extra = {k: v for k, v in self._read_answers().items() if k not in known}
         with self.partial_path.open("a", encoding="utf-8") as sink:
-            for (cid, turn), content in sorted(extra.items()):
-                sink.write(json.dumps({"id": cid, "turn": turn, "content": content}) + "\n")
+            for key, answer in sorted(extra.items()):
+                sink.write(_answer_line(key, answer))
         for path in self.partial_path.parent.glob(f"{self.partial_path.stem}.r*{self.partial_path.suffix}"):
             path.unlink()
 
@@ -232,15 +272,17 @@ class _Regeneration:
         items = [(ci, s[turn]) for ci, s in enumerate(self.slots) if len(s) > turn and not self.cut[ci]]
         prompts = []
         for ci, mi in items:
-            text = render(self.tokenizer, self.convs[ci].messages[:mi], add_generation_prompt=True,
-                          where=self.convs[ci].id)
+            before = self.convs[ci].messages[:mi]
+            before = drop_thinking(before) if getattr(self.cfg, "thinking", "keep") == "drop" else before
+            text = render(self.tokenizer, before, add_generation_prompt=True, where=self.convs[ci].id,
+                          template_kwargs=getattr(self.cfg, "chat_template_kwargs", None))
             prompts.append(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return items, prompts
 
     def _cut_from(self, ci: int, mi: int, keep_empty: bool) -> None:
         """End conversation ``ci`` at message ``mi``: kept as an empty answer, or dropped with what follows."""
         if keep_empty:
-            self.convs[ci].messages[mi]["content"] = ""
+            self.convs[ci].messages[mi] = {"role": "assistant", "content": ""}
             del self.convs[ci].messages[mi + 1 :]
         else:
             del self.convs[ci].messages[mi:]
@@ -258,8 +300,10 @@ class _Regeneration:
             spec = self.capture[1]
             grab = FeatureCapture(self.model, list(spec.aux_layers), STORAGE_DTYPES[spec.dtype])
         # the whole batch is regenerated so that its padding and seed match the first run's
-        answers = generate_batch(self.model, self.tokenizer, [prompts[j] for j in batch], self.cfg, self.stop_ids,
-                                 seed=self.cfg.seed * 1_000_003 + turn * 10_007 + b, capture=grab)
+        cut: list[bool] = []
+        texts = generate_batch(self.model, self.tokenizer, [prompts[j] for j in batch], self.cfg, self.stop_ids,
+                               seed=self.cfg.seed * 1_000_003 + turn * 10_007 + b, capture=grab, cut=cut)
+        answers = list(zip(texts, cut))
         keys = [(self.convs[items[j][0]].id, turn) for j in batch]
         if grab is not None:
             write_batch(self.capture[0], f"batch-{turn}-{b:05d}", keys, grab.rows(), self.capture[1])
@@ -267,7 +311,7 @@ class _Regeneration:
             if key not in self.done:
                 self.done[key] = answer
                 if self.sink:
-                    self.sink.write(json.dumps({"id": key[0], "turn": turn, "content": answer}) + "\n")
+                    self.sink.write(_answer_line(key, answer))
         if self.sink:
             self.sink.flush()
         if self.deadline is not None:
@@ -310,6 +354,16 @@ class _Regeneration:
             self.done = self._read_answers()
         self._apply(turn, items, [batches[b] for b in shuffled], bar)
 
+    def _put(self, ci: int, mi: int, turn: int) -> None:
+        """The answer in its slot (the record's own answer, thinking and tool calls go); after a cut answer the
+        conversation goes no further unless ``on_cut_answer`` keeps such answers (prepare drops or refuses it)."""
+        conv = self.convs[ci]
+        text, cut = self.done[(conv.id, turn)]
+        conv.messages[mi] = answer_message(text, cut, f"{conv.id} turn {turn}")
+        if cut and getattr(self.cfg, "on_cut_answer", "keep") != "keep":
+            del conv.messages[mi + 1 :]
+            self.cut[ci] = True
+
     def _apply(self, turn: int, items: list, batches: list[list[int]], bar: Any) -> None:
         """Put the answers in place; a batch left without them (the time limit) ends its conversations there."""
         unanswered = 0
@@ -320,8 +374,7 @@ class _Regeneration:
                 unanswered += len(batch)
                 continue
             for j in batch:
-                ci, mi = items[j]
-                self.convs[ci].messages[mi]["content"] = self.done[(self.convs[ci].id, turn)]
+                self._put(*items[j], turn)
         self.timed_out += unanswered
         bar.n = bar.total - unanswered  # what was answered, here or by another process
         if unanswered:
@@ -399,7 +452,7 @@ def _vllm_answers(
     partial_path: Path | None,
     deadline: Deadline | None,
     bar: Any,
-) -> dict[tuple[str, int], str]:
+) -> dict[tuple[str, int], Answer]:
     """Answers for ``keyed`` (key, prompt ids) written by vLLM in chunks of ``regen_batch_size`` prompts until
     the deadline; appended to ``partial_path`` (resumable) and returned by (conversation id, turn)."""
     import tempfile
@@ -429,4 +482,5 @@ def _vllm_answers(
     log.info("regeneration (vLLM): %d answers, %d tokens in %.0f s (+%.0f s loading)", result["answered"],
              result["tokens"], result["generate_seconds"], result["load_seconds"])
     wanted = {(k["id"], k["turn"]) for k, _ in keyed}
-    return {key: text for key, text in read_partial(answers).items() if key in wanted}
+    done = read_answers(answers, cfg.regen_max_new_tokens)  # cut: as many tokens as allowed
+    return {key: answer for key, answer in done.items() if key in wanted}
