@@ -21,6 +21,13 @@ EVAL_START = "<!-- eagle-eval:start -->"
 EVAL_END = "<!-- eagle-eval:end -->"
 SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "speculators": "EAGLE3", "eagle1": "EAGLE"}
 VLLM_METHODS = {"eagle3": "eagle3", "eagle1": "eagle"}
+SIM_TAU_NOTE = (
+    "The validation sim tau comes from the validation split during training, not from decoding: at every "
+    "validation position, one plus the drafts a chain would accept at temperature 0 (each TTT step's top-1 "
+    "equal to the target's next token, up to the first miss). `eagle eval`'s *tau, chain* below measures a "
+    "chain (of `eval.chain_depth` drafts) in the real speculative loop on its own prompts; the loop drafts only "
+    "from the positions it stops at, so the two differ a little even on the same text."
+)
 
 
 def is_our_card(path: str | Path) -> bool:
@@ -102,6 +109,8 @@ def render_card(head: dict[str, Any], layout: str, dtype: str, target: dict[str,
     ]
     if training:
         parts += ["## Training", _rows(list(training.items()))]
+        if any(str(k).startswith("validation sim tau") for k in training):
+            parts.append(SIM_TAU_NOTE)
     parts += [
         "## Evaluation",
         EVAL_START,

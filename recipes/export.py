@@ -68,9 +68,27 @@ def training_summary(cfg: RunConfig, head_dir: Path) -> dict[str, Any]:
             out["epochs"] = f"{info['epochs']:.1f}"
         if info.get("seconds") is not None:
             out["training time"] = f"{info['seconds'] / 60:.1f} min"
-        acc = {k: v for k, v in (info.get("eval") or {}).items() if k.startswith("val_acc_")}
-        if acc:
-            out["validation top-1 per TTT step"] = " / ".join(f"{v:.3f}" for _, v in sorted(acc.items()))
+        out.update(_validation_rows(info))
+    return out
+
+
+def _validation_rows(info: dict[str, Any]) -> dict[str, Any]:
+    """The card's rows on validation: which step's weights these are (``train.keep_best``), their top-1 per TTT
+    step and their simulated chain tau."""
+    out: dict[str, Any] = {}
+    best = info.get("best")
+    if best and best.get("step") is not None:
+        out["weights"] = (f"step {best['step']} of {info.get('global_step')}: the best validation "
+                          f"{best['metric']} (train.keep_best)")
+    metrics = info.get("eval") or {}
+    acc = {k: v for k, v in metrics.items() if k.startswith("val_acc_")}
+    if acc:
+        ordered = sorted(acc.items(), key=lambda kv: int(kv[0].rsplit("_", 1)[1]))
+        out["validation top-1 per TTT step"] = " / ".join(f"{v:.3f}" for _, v in ordered)
+    if isinstance(metrics.get("sim_tau"), int | float):
+        chain = sum(1 for k in metrics if k.startswith("sim_accept_"))
+        out[f"validation sim tau (a chain of {chain} draft{'s' if chain != 1 else ''}, T=0)"] = (
+            f"{metrics['sim_tau']:.3f}")
     return out
 
 

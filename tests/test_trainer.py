@@ -54,6 +54,7 @@ def losses(out: Path) -> dict[int, float]:
 def test_offline_training_learns_the_target(tmp_path, bigram_data, bigram_target):
     prepared, features = bigram_data
     out = tmp_path / "run"
+    (out / "best").mkdir(parents=True)  # an earlier run's (train.keep_best): a fresh start removes it
     result = train(
         target=bigram_target,
         features_dir=features,
@@ -64,6 +65,7 @@ def test_offline_training_learns_the_target(tmp_path, bigram_data, bigram_target
     assert result.global_step == 150
     assert result.val_metrics["val_acc"] > 0.8, result.val_metrics
     assert min(result.val_metrics[f"val_acc_{j}"] for j in range(3)) > 0.7
+    assert result.val_metrics["sim_tau"] > 3.0  # chains of 3 drafts, most accepted whole
     events = read_metrics(out / "metrics.jsonl")
     evals = [e for e in events if e["event"] == "eval"]
     assert [e["step"] for e in evals] == [50, 100, 150]
@@ -86,7 +88,9 @@ def test_offline_training_learns_the_target(tmp_path, bigram_data, bigram_target
     assert optim["state"] and torch.load(last / "scheduler.pt", weights_only=True)["last_epoch"] == 150
     ck.set_rng_state(torch.load(last / "rng" / "rank-00000.pt", weights_only=True))
 
-    # final/ = the last weights + config, ready for export
+    # final/ = the last weights + config, ready for export (train.keep_best unset: no best/)
+    assert not (out / "best").exists() and result.best is None
+    assert json.loads((out / "final" / "train_info.json").read_text())["checkpoint"] == "step-0000150"
     final = load_file(str(out / "final" / "model.safetensors"))
     for key, value in load_file(str(last / "model.safetensors")).items():
         assert torch.equal(final[key], value)

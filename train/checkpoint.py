@@ -40,6 +40,7 @@ from eagle.fileio import fsync_dir, remove_stale_temps, write_json_atomic, write
 from train.vocab import VOCAB_FILE, save_vocab
 
 STATE_FILE = "trainer_state.json"
+INFO_FILE = "train_info.json"  # what a head folder (final/, best/) says of its training
 MODEL_FILE = "model.safetensors"
 HEAD_CONFIG_FILE = "head_config.json"
 OPTIMIZER_FILE = "optimizer.pt"
@@ -99,6 +100,30 @@ def save_head_files(
     write_json_atomic(head_config, directory / HEAD_CONFIG_FILE)
     if vocab is not None:
         save_vocab(directory / VOCAB_FILE, *vocab)
+
+
+def write_head_folder(
+    folder: Path, state_dict: dict[str, torch.Tensor], head_config: dict, vocab: tuple | None, info: dict
+) -> Path:
+    """A head folder (``final/``, ``best/``: the head files plus ``train_info.json``) built aside, fsynced and
+    renamed into place, so that a crash leaves the old folder or the new one, never half of one."""
+    tmp = folder.with_name(f".{folder.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    with write_guard(f"the head {folder}", tmp):  # the old folder stays until replaced
+        tmp.mkdir(parents=True)
+        save_head_files(tmp, state_dict, head_config, vocab)
+        write_json_atomic(info, tmp / INFO_FILE)
+        replace_dir(tmp, folder)
+    return folder
+
+
+def read_info(folder: Path) -> dict:
+    """The ``train_info.json`` of a head folder ({} when it has none or it is unreadable)."""
+    try:
+        info = json.loads((folder / INFO_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return info if isinstance(info, dict) else {}
 
 
 def load_head_files(directory: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict]:
@@ -311,7 +336,13 @@ def prune(root: Path, keep_last: int | None, protect: Path | None = None) -> lis
 
 
 def clean_stale(root: Path) -> None:
-    """Remove temporary directories left by a crash while writing or deleting a checkpoint."""
+    """Remove temporary directories left by a crash while writing or deleting a checkpoint, and next to the
+    checkpoints, those of the head folders (``.final.tmp``, ``.best.tmp``, ``.trash-final-*``, ...)."""
+    if root.parent.is_dir():
+        for name in ("final", "best"):
+            for path in root.parent.glob(f".trash-{name}-*"):
+                shutil.rmtree(path, ignore_errors=True)
+            shutil.rmtree(root.parent / f".{name}.tmp", ignore_errors=True)
     if not root.is_dir():
         return
     for path in root.iterdir():

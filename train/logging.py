@@ -2,7 +2,8 @@
 a PNG of the loss/accuracy curves at the end.
 
 Only the main process writes. ``metrics.jsonl`` holds one JSON object per event: ``{"event": "train", "step",
-"loss", "lr", "tokens_per_s", "acc_0", ...}`` or ``{"event": "eval", "step", "val_loss", "val_acc", ...}``.
+"loss", "lr", "tokens_per_s", "acc_0", ...}`` or ``{"event": "eval", "step", "val_loss", "val_acc", "sim_tau",
+...}`` (every validation metric, :func:`train.validation.validate`).
 A resumed run first drops the events after its checkpoint's step, so the file reads as one uninterrupted run.
 """
 
@@ -153,7 +154,8 @@ class MetricsLogger:
 
 
 def plot_metrics(metrics_path: str | os.PathLike, out_png: str | os.PathLike) -> Path | None:
-    """Loss (train and validation) and accuracy curves from a ``metrics.jsonl``; None when it has no events."""
+    """Loss (train and validation), accuracy and simulated chain tau curves from a ``metrics.jsonl``; None when it
+    has no events."""
     events = read_metrics(metrics_path)
     train = [e for e in events if e.get("event") == "train" and isinstance(e.get("loss"), int | float)]
     evals = [e for e in events if e.get("event") == "eval"]
@@ -164,40 +166,63 @@ def plot_metrics(metrics_path: str | os.PathLike, out_png: str | os.PathLike) ->
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax_loss, ax_acc, ax_tau) = plt.subplots(1, 3, figsize=(16, 4))
+    _plot_loss(ax_loss, train, evals)
+    _plot_accuracy(ax_acc, train, evals)
+    _plot_sim_tau(ax_tau, evals)
+    fig.tight_layout()
+    save_figure_atomic(fig, out_png, dpi=100)
+    plt.close(fig)
+    return Path(out_png)
+
+
+def _numbers(events: list[dict], key: str) -> tuple[list[int], list[float]]:
+    """(steps, values) of the events that hold a number under ``key`` (a NaN is logged as a string)."""
+    pairs = [(e["step"], e[key]) for e in events if isinstance(e.get(key), int | float)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _plot_loss(ax, train: list[dict], evals: list[dict]) -> None:
     if train:
-        ax_loss.plot([e["step"] for e in train], [e["loss"] for e in train], label="train loss", lw=1)
-    if evals and any("val_loss" in e for e in evals):
-        ax_loss.plot([e["step"] for e in evals], [e.get("val_loss") for e in evals], "o-", label="val loss")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("loss")
-    ax_loss.set_title("loss")
-    ax_loss.legend()
+        ax.plot(*_numbers(train, "loss"), label="train loss", lw=1)
+    if any("val_loss" in e for e in evals):
+        ax.plot(*_numbers(evals, "val_loss"), "o-", label="val loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.set_title("loss")
+    ax.legend()
+
+
+def _plot_accuracy(ax, train: list[dict], evals: list[dict]) -> None:
     acc_keys = sorted(
         {k for e in evals for k in e if k.startswith("val_acc_")}, key=lambda k: int(k.rsplit("_", 1)[1])
     )
     for key in acc_keys or (["val_acc"] if any("val_acc" in e for e in evals) else []):
         label = f"val top-1, TTT step {key.rsplit('_', 1)[1]}" if key != "val_acc" else "val top-1"
-        ax_acc.plot([e["step"] for e in evals], [e.get(key) for e in evals], "o-", label=label)
-    if train and "acc_0" in train[0]:
-        ax_acc.plot(
-            [e["step"] for e in train],
-            [e.get("acc_0") for e in train],
-            lw=0.8,
-            alpha=0.6,
-            label="train top-1",
-        )
-    elif train and "acc" in train[0]:
-        ax_acc.plot(
-            [e["step"] for e in train], [e.get("acc") for e in train], lw=0.8, alpha=0.6, label="train top-1"
-        )
-    ax_acc.set_xlabel("step")
-    ax_acc.set_ylabel("top-1 accuracy")
-    ax_acc.set_ylim(0, 1)
-    ax_acc.set_title("accuracy (head argmax == target argmax)")
-    if ax_acc.lines:
-        ax_acc.legend()
-    fig.tight_layout()
-    save_figure_atomic(fig, out_png, dpi=100)
-    plt.close(fig)
-    return Path(out_png)
+        ax.plot(*_numbers(evals, key), "o-", label=label)
+    key = "acc_0" if train and "acc_0" in train[0] else "acc"
+    if train and key in train[0]:
+        ax.plot(*_numbers(train, key), lw=0.8, alpha=0.6, label="train top-1")
+    ax.set_xlabel("step")
+    ax.set_ylabel("top-1 accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title("accuracy (head argmax == target argmax)")
+    if ax.lines:
+        ax.legend()
+
+
+def _plot_sim_tau(ax, evals: list[dict]) -> None:
+    """Validation's simulated chain tau (a chain of ttt_steps drafts at T=0), its best point marked."""
+    steps, taus = _numbers(evals, "sim_tau")
+    chain = sum(1 for k in (evals[-1] if evals else {}) if k.startswith("sim_accept_"))
+    if taus:
+        ax.plot(steps, taus, "o-", color="tab:green", label=f"val sim tau (chain of {chain})")
+        best = max(range(len(taus)), key=lambda i: (taus[i], -i))  # the first of equal bests
+        ax.plot([steps[best]], [taus[best]], "*", ms=14, color="tab:orange", label=f"best {taus[best]:.3f}")
+        ax.set_ylim(1, max(chain + 1, max(taus)) + 0.05)
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no validation", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("step")
+    ax.set_ylabel("tokens per verification")
+    ax.set_title("simulated chain acceptance length (T=0)")

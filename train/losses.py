@@ -213,6 +213,7 @@ def eagle3_ttt_loss(
     noise_std: float = 0.0,
     exact_top1: bool = True,
     top1_weight: float = 0.0,
+    accepted: list[torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """EAGLE-3 training-time-test loss: ``sum_j step_decay**j * CE_j`` over ``ttt_steps`` unrolled steps.
 
@@ -238,6 +239,11 @@ def eagle3_ttt_loss(
     draft-restricted target logits, so the full lm_head is never run. The two agree wherever the target's top
     token is in the draft vocabulary (barring exact ties); elsewhere the exact metric is a miss (the head can
     only predict draft tokens) while the restricted one may count a hit, so the restricted one is an upper bound.
+
+    With ``exact_top1`` also the simulated chain (:func:`leading_hits`): ``chain_j``, the share of step 0's
+    counted positions whose chain accepts at least j + 1 drafts (the simulated chain tau is ``1 + sum_j
+    chain_j``); a list passed as ``accepted`` receives the accepted drafts per root position ([B,T] long, no
+    scalar metric).
     """
     ids = batch["input_ids"]
     am, lm = _masks(batch)
@@ -260,18 +266,61 @@ def eagle3_ttt_loss(
     total = hidden.new_zeros((), dtype=torch.float32)
     metrics: dict[str, torch.Tensor] = {}
     every = torch.arange(t, device=ids.device)[None].expand(ids.shape[0], -1)
+    hits = []  # per step, [B,T] bool: the head's top-1 at that root is the target's (evaluation only)
     for j, out in enumerate(outs):
         # roots of this step's rows: step 0's queried positions, then the chains
         roots = (every if rows0 is None else rows0) if j == 0 else chains
-        loss_j, acc_j, count = labels.step_loss(head, out, roots, counted[j].gather(1, roots), j)
+        mask = counted[j].gather(1, roots)
+        loss_j, acc_j, count, hit = labels.step_loss(head, out, roots, mask, j)
         total = total + step_decay**j * loss_j
         metrics[f"loss_{j}"] = loss_j.detach()
         metrics[f"acc_{j}"] = acc_j.detach().float()
         metrics[f"count_{j}"] = count.detach()
+        if exact_top1:
+            hits.append(_at_roots(hit, roots, mask, counted[j]))
     if not outs:  # ttt_steps == 0: keep the graph connected so backward() still works
         total = total + 0.0 * hidden.sum()
+    if hits:
+        metrics.update(_chain_metrics(hits, counted, accepted))
     metrics["loss"] = total.detach()
     return total, metrics
+
+
+def _at_roots(hit: torch.Tensor, roots: torch.Tensor, mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A step's per-row hits (the rows of ``roots[mask]``) laid out per root position: [B,T] bool."""
+    rows = torch.arange(roots.shape[0], device=roots.device)[:, None].expand_as(roots)[mask]
+    full = torch.zeros_like(like)
+    full[rows, roots[mask]] = hit  # padded chains are never counted, so no position is written twice
+    return full
+
+
+def _chain_metrics(hits: list[torch.Tensor], counted: list[torch.Tensor], accepted: list[torch.Tensor] | None
+                   ) -> dict[str, torch.Tensor]:
+    """``chain_j``: the share of step 0's counted positions whose simulated chain accepts at least j + 1 drafts;
+    the per-position counts go to ``accepted`` when it is a list."""
+    chain = leading_hits(hits, counted)
+    denom = counted[0].sum().clamp(min=1)
+    if accepted is not None:
+        accepted.append(chain)
+    return {f"chain_{j}": ((chain > j).sum() / denom).float() for j in range(len(hits))}
+
+
+def leading_hits(hits: list[torch.Tensor], counted: list[torch.Tensor]) -> torch.Tensor:
+    """The drafts a chain rooted at each position would accept at temperature 0: [B,T] long, the number of
+    leading TTT steps j = 0, 1, ... whose top-1 is the target's (``hits[j]`` [B,T] bool) and that have a label
+    (``counted[j]``, see :func:`_counted`).
+
+    The chain ends at the first miss, and also at the first step without a label: a label outside the loss
+    mask, on padding or past the sequence's end is a token the data cannot check, so a chain is credited only
+    with what it could be seen to accept (near the end of an answer it is cut short, as the speculative loop's
+    last step is by its token budget). Positions whose step 0 has no label get 0 and are no validation
+    positions."""
+    alive = torch.ones_like(counted[0])
+    accepted = torch.zeros(counted[0].shape, dtype=torch.long, device=counted[0].device)
+    for hit, has_label in zip(hits, counted):
+        alive = alive & has_label & hit
+        accepted += alive
+    return accepted
 
 
 def _counted(am: torch.Tensor, lm: torch.Tensor, ttt_steps: int) -> list[torch.Tensor]:
@@ -310,13 +359,14 @@ class _Labels:
         self.logp = torch.log_softmax(draft_logits, dim=-1)  # [N, draft_vocab]
 
     def step_loss(self, head: nn.Module, out: torch.Tensor, roots: torch.Tensor, mask: torch.Tensor, j: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cross-entropy against the labels, top-1 accuracy, label count) of TTT step ``j``'s outputs ``out``
-        at ``roots`` where ``mask`` holds."""
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cross-entropy against the labels, top-1 accuracy, label count, per-row hits) of TTT step ``j``'s
+        outputs ``out`` at ``roots`` where ``mask`` holds (the hits are the rows of ``roots[mask]``)."""
         count = mask.sum()
         if not bool(mask.any()):
             # nothing to learn here, but every parameter stays in the graph (DDP expects gradients for all)
-            return 0.0 * head.logits(out[:, :1]).float().sum(), out.new_zeros((), dtype=torch.float32), count
+            none = torch.zeros(0, dtype=torch.bool, device=out.device)
+            return 0.0 * head.logits(out[:, :1]).float().sum(), out.new_zeros((), dtype=torch.float32), count, none
         logits = head.logits(out[mask]).float()  # logits only where a label counts: [N, draft_vocab]
         label = (roots + j + 1).clamp(max=self.t - 1)[mask]
         rows = torch.arange(roots.shape[0], device=roots.device)[:, None].expand_as(roots)[mask]
@@ -327,7 +377,7 @@ class _Labels:
             hard = -logq.gather(-1, self.top_draft[at][:, None]).squeeze(-1)
             ce = (1 - self.top1_weight) * ce + self.top1_weight * hard
         hit = head.draft_to_target(logits.argmax(-1)) == self.top[at]
-        return ce.sum() / count, hit.sum() / count, count
+        return ce.sum() / count, hit.sum() / count, count, hit
 
 
 def eagle1_loss(

@@ -9,6 +9,9 @@ the step). Batches are planned globally (:mod:`train.batching`), so N processes 
 exactly the data of one process with N*b. Checkpoints (:mod:`train.checkpoint`) are atomic and restore the data
 position, optimizer, scheduler and RNG states, so a resumed run continues the interrupted loss curve.
 
+``final/`` (what ``eagle export`` reads) holds the last weights, or with ``train.keep_best`` those of the best
+validation by that metric (kept in ``best/`` as training goes; the last weights stay in ``checkpoints/``).
+
 Gradient averaging: each micro-batch's loss is a mean over its own counted tokens, and micro-batches (across
 grad_accum and processes) are weighted equally -- as in most trainers.
 """
@@ -18,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import shutil
 import sys
 import time
 import warnings
@@ -41,7 +43,9 @@ from train.validation import validate as run_validation
 from train.vocab import draft_vocab_for_run
 
 REPORTERS = ("none", "tensorboard", "wandb")
+BEST_METRICS = {"sim_tau": "max", "val_loss": "min"}  # train.keep_best: which way each metric improves
 MIN_LENGTH = 3  # tokens a sequence needs to give one training label
+BEST_DIR = "best"  # train.keep_best: the weights of the best validation, under train.output_dir
 
 
 @dataclass
@@ -79,6 +83,9 @@ class TrainConfig:
     eval_max_sequences: int | None = None  # validation sequences per validation (null: all)
     save_every: int = 500  # optimizer steps between checkpoints
     keep_last: int | None = 3  # checkpoints kept (null: all)
+    # null | sim_tau | val_loss: keep the weights of the best validation by this metric in best/ and make final/
+    # (what eagle export reads) those weights; the last weights stay in checkpoints/. null: final/ = the last weights
+    keep_best: str | None = None
     resume: str = "auto"  # auto | never | <checkpoint dir>
     seed: int = 0  # initialisation, data order and noise
     deterministic: bool = False  # deterministic kernels (slower; for bit-exact reruns)
@@ -127,6 +134,11 @@ class TrainConfig:
             raise EagleError(f"train.eval_every must be >= 0 (0: only at the end), got {self.eval_every}")
         if self.keep_last is not None and self.keep_last < 1:
             raise EagleError(f"train.keep_last must be >= 1 or unset (keep all), got {self.keep_last}")
+        if self.keep_best is not None and self.keep_best not in BEST_METRICS:
+            raise EagleError(
+                f"train.keep_best must be one of {list(BEST_METRICS)} (the validation metric whose best weights "
+                f"become final/) or null (final/ = the last weights), got {self.keep_best!r}"
+            )
         if self.num_workers < 0:
             raise EagleError(f"train.num_workers must be >= 0, got {self.num_workers}")
         if not isinstance(self.resume, str) or not self.resume.strip():
@@ -156,6 +168,7 @@ class TrainResult:
     last_checkpoint: Path | None
     val_metrics: dict[str, float] = field(default_factory=dict)
     resumed_from: Path | None = None
+    best: dict[str, Any] | None = None  # train.keep_best: {"metric", "value", "step"} of the weights in final/
 
 
 class HeadWithLoss(nn.Module):
@@ -267,6 +280,16 @@ class _Window:
         return dict(zip(keys, stacked.tolist()))
 
 
+def improves(metric: str, value: float | None, best: float | None) -> bool:
+    """Whether ``value`` of ``metric`` (a ``train.keep_best`` choice) beats ``best`` (None: nothing yet). Ties keep
+    the earlier weights; a NaN or infinite value (a diverged run) never wins."""
+    if value is None or not math.isfinite(value):
+        return False
+    if best is None:
+        return True
+    return value > best if BEST_METRICS[metric] == "max" else value < best
+
+
 def _is_finite_everywhere(value: torch.Tensor, accelerator) -> bool:
     bad = (~torch.isfinite(value.detach().float())).any().float().reshape(1).to(accelerator.device)
     return float(accelerator.reduce(bad, reduction="sum").item()) == 0.0
@@ -321,13 +344,15 @@ def _train(cfg: TrainConfig, spec: HeadConfig, target, data_dir, features_dir, o
         raise
 
 
-def _clean_output(cfg: TrainConfig, out: Path, ckpt_root: Path) -> None:
+def _clean_output(cfg: TrainConfig, out: Path, ckpt_root: Path, fresh: bool) -> None:
     """The output folder, without the temporary leftovers of a killed run (and, with ``resume: never``, without
-    earlier checkpoints)."""
+    earlier checkpoints; on a ``fresh`` start, without an earlier run's best/)."""
     from train import checkpoint as ck
 
     out.mkdir(parents=True, exist_ok=True)
     ck.clean_stale(ckpt_root)
+    if fresh:  # best/ belongs to the run its checkpoints continue; a fresh start writes its own
+        ck.remove_tree(out / BEST_DIR)
     if cfg.resume == "never" and ckpt_root.is_dir():
         for old in ck.list_checkpoints(ckpt_root):
             ck.remove_tree(old)
@@ -350,7 +375,6 @@ class _Run:
     """One training run on this process: set up in ``__init__``, then :meth:`fit` and :meth:`finish`."""
 
     def __init__(self, cfg: TrainConfig, spec: HeadConfig, target, data_dir, features_dir, on_checkpoint):
-        from train.batching import plan_eval
         from train.logging import MetricsLogger
 
         self.cfg, self.on_checkpoint = cfg, on_checkpoint
@@ -371,7 +395,7 @@ class _Run:
                   f"{local_parameters(target.model):,} of {whole:,} parameters", flush=True)
         self.resume_path = resume_path = resolve_resume(cfg.resume, self.ckpt_root)
         if self.main:
-            _clean_output(cfg, self.out, self.ckpt_root)
+            _clean_output(cfg, self.out, self.ckpt_root, fresh=resume_path is None)
         acc.wait_for_everyone()
 
         # ---- data and head
@@ -402,6 +426,8 @@ class _Run:
         # ---- where the run stands
         self.state = {"epoch": 0, "micro_batch": 0, "global_step": 0, "tokens_seen": 0, "last_eval_step": -1}
         self.time_cut = False  # the schedule was shortened to fit train.max_minutes
+        # train.keep_best: the best validation so far, whose weights best/ holds
+        self.best: dict[str, Any] = {"metric": cfg.keep_best, "value": None, "step": None}
         if resume_path is not None:
             self._restore(resume_path)
         self.start_step = self.state["global_step"]
@@ -421,10 +447,22 @@ class _Run:
         self.pace: list[tuple[int, float]] = []  # (step, elapsed seconds) at each deadline check
         self.bar: Any = None  # the progress bar, while fit() runs
         self.val_top1: dict[int, torch.Tensor] = {}  # the target's exact top-1 per validation batch
-        self.val_plan = None
+        self.val_plan = self._plan_validation()
+
+    def _plan_validation(self) -> list | None:
+        """The validation batches (None without validation data, which ``train.keep_best`` cannot do without)."""
+        from train.batching import plan_eval
+
+        cfg, plan = self.cfg, None
         if self.val_src is not None:
             val_lengths = _usable_lengths(self.val_src.lengths()[: cfg.eval_max_sequences], allow_empty=True)
-            self.val_plan = plan_eval(val_lengths, world=self.world, **self.sizes) or None
+            plan = plan_eval(val_lengths, world=self.world, **self.sizes) or None
+        if cfg.keep_best and plan is None:
+            raise EagleError(
+                f"train.keep_best={cfg.keep_best} picks weights by validation, but there is no validation data "
+                "(an empty or missing val split): prepare with data.val_fraction > 0, or set train.keep_best=null"
+            )
+        return plan
 
     def _build_head(self, spec: HeadConfig) -> tuple[nn.Module, tuple | None, str | None]:
         """The head, its weights from the checkpoint resumed or ``train.init_from`` (else fresh, the same on every
@@ -492,6 +530,7 @@ class _Run:
         )
         for key in self.state:
             self.state[key] = saved.get(key, self.state[key])
+        self.best = self._resumed_best(saved)
         if saved.get("time_cut") and saved.get("total_steps", self.total_steps) < self.total_steps:
             self._set_total_steps(int(saved["total_steps"]))  # continue the shortened schedule
         now = {"world_size": self.world, **dataclasses.asdict(self.cfg)}
@@ -571,8 +610,7 @@ class _Run:
         """Checkpoint ``step`` (all processes)."""
         from train import checkpoint as ck
 
-        full = self.accelerator.get_state_dict(self.model) or {}  # ZeRO-3 gathers onto the main process only
-        head_state = {k[len("head.") :]: v for k, v in full.items() if k.startswith("head.")}
+        head_state = self._head_state()
         cfg = self.cfg
         trainer_state = {
             **self.state,
@@ -587,6 +625,7 @@ class _Run:
             "target_fingerprint": self.target.fingerprint,
             "vocab_data_fingerprint": self.vocab_fp,
             "eval": self.val_metrics,
+            "best": self.best,  # train.keep_best: a resumed run keeps comparing against it
         }
         path = ck.save_checkpoint(
             self.ckpt_root,
@@ -606,8 +645,13 @@ class _Run:
             self.on_checkpoint(path, step)
         return path
 
+    def _head_state(self) -> dict[str, torch.Tensor]:
+        """The head's weights (call on every process: ZeRO-3 gathers them onto the main process only)."""
+        full = self.accelerator.get_state_dict(self.model) or {}
+        return {k[len("head.") :]: v for k, v in full.items() if k.startswith("head.")}
+
     def validate(self, step: int) -> None:
-        """Validation loss and top-1 accuracy now, logged and shown."""
+        """Validation loss, top-1 accuracy and sim_tau now, logged and shown; best/ updated (train.keep_best)."""
         from tqdm import tqdm
 
         self.val_metrics = run_validation(
@@ -624,11 +668,16 @@ class _Run:
         )
         self.state["last_eval_step"] = step
         self.logger.log("eval", step, self.val_metrics)
+        improved = self._improves(self.val_metrics)
+        if improved:
+            self._save_best(step)
         if self.main:
             shown = {
-                k: v for k, v in self.val_metrics.items() if k == "val_loss" or k.startswith("val_acc_")
+                k: v for k, v in self.val_metrics.items()
+                if k in ("val_loss", "sim_tau") or k.startswith("val_acc_")
             }
-            tqdm.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in shown.items()))
+            note = f" (best {self.cfg.keep_best} so far: saved to best/)" if improved else ""
+            tqdm.write(f"step {step}: " + ", ".join(f"{k}={v:.4f}" for k, v in shown.items()) + note)
 
     def _micro_step(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Forward + backward of one micro-batch; the optimizer steps at the end of an accumulation window."""
@@ -776,26 +825,85 @@ class _Run:
         if self.last_save_step != step:
             self.save(step)
         final_dir = self.out / "final"
+        source, info = self._final_weights(step)
         if self.main:
-            weights, config = ck.load_head_files(self.last_ckpt)
-            tmp = self.out / ".final.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            with ck.write_guard(f"the final head {final_dir}", tmp):  # the old final/ stays until replaced
-                tmp.mkdir()
-                ck.save_head_files(tmp, weights, config, self.vocab)
-                info = {
-                    "global_step": step,
-                    "checkpoint": self.last_ckpt.name,
-                    "eval": self.val_metrics,
-                    "time_cut": self.time_cut,
-                    "epochs": step / max(self.steps_per_epoch, 1),
-                    "seconds": round(self.deadline.elapsed(), 1),  # this process's run, loading included
-                }
-                ck.write_json_atomic(info, tmp / "train_info.json")
-            ck.replace_dir(tmp, final_dir)
+            weights, config = ck.load_head_files(source)
+            ck.write_head_folder(final_dir, weights, config, self.vocab, info)
         self.logger.close(plot=True)
         self.accelerator.wait_for_everyone()
         metrics = self.val_metrics
         if not metrics and self.resume_path is not None:
             metrics = ck.read_state(self.resume_path).get("eval") or {}
-        return TrainResult(self.out, final_dir, step, self.last_ckpt, metrics, self.resume_path)
+        return TrainResult(self.out, final_dir, step, self.last_ckpt, metrics, self.resume_path, info.get("best"))
+
+    # ---- train.keep_best
+
+    def _improves(self, metrics: dict[str, float]) -> bool:
+        """Whether ``metrics`` beat the best validation so far by ``train.keep_best``."""
+        metric = self.cfg.keep_best
+        return metric is not None and improves(metric, metrics.get(metric), self.best["value"])
+
+    def _save_best(self, step: int) -> None:
+        """Write the current weights to best/ (every process: ZeRO-3 gathers them)."""
+        from train import checkpoint as ck
+
+        head_state = self._head_state()
+        metric = self.cfg.keep_best
+        self.best = {"metric": metric, "value": self.val_metrics[metric], "step": step}
+        if self.main:
+            info = {"global_step": step, "best": self.best, "eval": self.val_metrics}
+            ck.write_head_folder(self.out / BEST_DIR, head_state, self.hcfg.to_dict(), self.vocab, info)
+        self.accelerator.wait_for_everyone()
+
+    def _resumed_best(self, saved: dict) -> dict[str, Any]:
+        """The best validation so far of a resumed run: the checkpoint's record, or best/'s own when that folder
+        was written after the checkpoint (before the interruption: it holds those weights, and the resumed run
+        replays the same steps). A record of another metric, or one whose weights best/ no longer holds, starts
+        over: the next validation writes best/."""
+        from train import checkpoint as ck
+
+        metric = self.cfg.keep_best
+        fresh = {"metric": metric, "value": None, "step": None}
+        if metric is None:
+            return fresh
+        stored = saved.get("best") or {}
+        on_disk = ck.read_info(self.out / BEST_DIR).get("best") or {}
+        if on_disk.get("metric") == metric and (on_disk.get("step") or 0) > saved.get("global_step", 0):
+            return {"metric": metric, "value": on_disk.get("value"), "step": on_disk.get("step")}
+        if stored.get("metric") != metric or stored.get("value") is None:
+            return fresh
+        if on_disk.get("metric") != metric or on_disk.get("step") != stored.get("step"):
+            if self.main:
+                warnings.warn(
+                    f"{self.out / BEST_DIR} does not hold the weights of the best {metric} the checkpoint records "
+                    f"(step {stored.get('step')}): the best starts over at the next validation",
+                    stacklevel=4,
+                )
+            return fresh
+        return {"metric": metric, "value": stored["value"], "step": stored["step"]}
+
+    def _final_weights(self, step: int) -> tuple[Path, dict[str, Any]]:
+        """Which weights become final/ (the last checkpoint's, or best/'s under train.keep_best) and its
+        train_info.json."""
+        from train import checkpoint as ck
+
+        info: dict[str, Any] = {
+            "global_step": step,
+            "checkpoint": self.last_ckpt.name,
+            "eval": self.val_metrics,
+            "time_cut": self.time_cut,
+            "epochs": step / max(self.steps_per_epoch, 1),
+            "seconds": round(self.deadline.elapsed(), 1),  # this process's run, loading included
+        }
+        metric = self.cfg.keep_best
+        if metric is None:
+            return self.last_ckpt, info
+        best_dir = self.out / BEST_DIR
+        recorded = ck.read_info(best_dir)
+        if self.best["step"] is None or recorded.get("best") != self.best:
+            if self.main:
+                self._say(f"train: train.keep_best={metric}: no validation gave a finite {metric} whose weights "
+                          f"are in {best_dir}, so final/ holds the last weights")
+            return self.last_ckpt, info
+        info.update(checkpoint=BEST_DIR, best=self.best, eval=recorded.get("eval") or {}, last_eval=self.val_metrics)
+        return best_dir, info
