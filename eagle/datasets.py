@@ -102,9 +102,10 @@ def chitchat_eval_prompts() -> list[dict[str, Any]]:
 # ------------------------------------------------------------------------------------------------ Hugging Face
 
 
-def load_hf_dataset(path: str, split: str | None) -> Any:
+def load_hf_dataset(path: str, split: str | None, name: str | None = None) -> Any:
     """A Hugging Face dataset split: a ``save_to_disk`` folder, a data file (json, jsonl, parquet, csv), or a hub
-    id (online only); every failure is one EagleError that says what to do offline."""
+    id with an optional configuration ``name`` (online only); every failure is one EagleError that says what to do
+    offline."""
     import datasets
 
     local = Path(path)
@@ -126,7 +127,7 @@ def load_hf_dataset(path: str, split: str | None) -> Any:
                     f"hf:{path}: unsupported file type {local.suffix!r}; use json, jsonl, parquet, csv"
                 )
             return datasets.load_dataset(kind, data_files=str(local), split=split or "train")
-        return datasets.load_dataset(path, split=split or "train")
+        return datasets.load_dataset(path, name, split=split or "train")
     except EagleError:
         raise
     except Exception as e:  # hub/network/format errors all become one clear message

@@ -114,12 +114,17 @@ def _user_turns(record: dict[str, Any], where: str) -> list[str] | None:
 
 
 def _hf_rows(spec: str) -> Any:
-    """The rows of ``hf:<path-or-hub-id>[:split]`` (a local file or folder, or a hub id when online)."""
+    """The rows of ``hf:<path-or-hub-id>[:config]:split`` or ``hf:<path-or-hub-id>[:split]`` (a local file or
+    folder, or a hub id when online; a split may slice, ``test[:100]``)."""
     rest = spec[3:]
     if not rest:
-        raise EagleError("prompts 'hf:' needs a dataset: hf:<path-or-hub-id>[:split]")
-    path, split = (rest, None) if Path(rest).exists() else (rest.partition(":")[0], rest.partition(":")[2] or None)
-    return load_hf_dataset(path, split)
+        raise EagleError("prompts 'hf:' needs a dataset: hf:<path-or-hub-id>[:config][:split]")
+    if Path(rest).exists():
+        return load_hf_dataset(rest, None)
+    path, _, tail = rest.partition(":")
+    head, _, after = tail.partition(":")
+    name, split = (head, after) if after and "[" not in head else (None, tail or None)
+    return load_hf_dataset(path, split, name)
 
 
 def set_names(specs: Sequence[str]) -> list[str]:

@@ -430,6 +430,12 @@ CASES = [
         r"must be a finite number",
     ),
     Case(
+        "config-unknown-keep-best-metric",
+        lambda r, t: cmd("train", r, "train.keep_best=foo"),
+        r"train\.keep_best must be one of \['sim_tau', 'val_loss'\]",
+        r"or null \(final/ = the last weights\), got 'foo'",
+    ),
+    Case(
         "config-draft-vocab-above-target-vocab",
         lambda r, t: train_with(r, t, "head.draft_vocab_size=100000"),
         r"draft_vocab_size=100000 is larger than the target's vocabulary \(49152\)",

@@ -641,3 +641,27 @@ def test_sampling_settings_reach_the_loop_and_the_figures_follow_from_the_runs(t
         assert summary["speedup"] == pytest.approx(_speedup(mine))
     assert (report["settings"]["temperature"], report["settings"]["top_p"], report["settings"]["top_k"]) == (
         1.0, 0.8, 30)
+
+
+@pytest.mark.parametrize("spec, call", [
+    ("hf:openai/gsm8k:main:test", ("openai/gsm8k", "test", "main")),
+    ("hf:tatsu-lab/alpaca", ("tatsu-lab/alpaca", None, None)),
+    ("hf:org/questions:test[:100]", ("org/questions", "test[:100]", None)),
+    ("hf:org/questions:test", ("org/questions", "test", None)),
+])
+def test_hf_prompt_specs_name_dataset_config_and_split(spec, call, monkeypatch):
+    import eagle.prompts as prompts
+
+    calls = []
+    monkeypatch.setattr(prompts, "load_hf_dataset", lambda *args: calls.append(args) or [{"question": "q?"}])
+    assert prompts.load_prompts(spec)[0]["messages"] == [{"role": "user", "content": "q?"}]
+    assert calls == [call]
+
+
+def test_hf_prompts_offline_say_what_to_do(monkeypatch):
+    from eagle.prompts import load_prompts
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(EagleError, match="Hub ids need internet access.*give a local file"):
+        load_prompts("hf:no-such-org/no-such-questions:test")
