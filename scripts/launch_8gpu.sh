@@ -6,7 +6,7 @@
 # its share of the head and the activations of batch_size x max_length tokens over 7 TTT steps: lower
 # train.batch_size / train.max_length on smaller cards); the project installed with deepspeed; access to
 # meta-llama/Llama-3.1-8B-Instruct (HF login, or a local folder via target.name=...); the data sources of
-# the config (hf:... needs the hub or a local copy; data/ultrachat_200k.jsonl must exist); disk for the
+# the config (sharegpt comes with `make setup`; data/ultrachat_200k.jsonl must exist); disk for the
 # prepared tokens only (online mode writes no features).
 #
 #   scripts/launch_8gpu.sh

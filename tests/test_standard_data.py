@@ -87,3 +87,15 @@ def test_mt_bench_never_trains(tmp_path):
         for q in load_prompts("mt-bench")[:10]))
     with pytest.raises(EagleError, match="is evaluation data"):
         load_source(str(copy))
+
+
+def test_every_shipped_config_names_sources_that_parse():
+    """The recipes name their data by spec (the GPU ones train on the installed ShareGPT): each spec parses."""
+    from recipes.config import load_config, shipped_configs
+
+    kinds = set()
+    for name in shipped_configs():
+        for spec in load_config(name).data.sources:
+            if not spec.endswith(".jsonl"):  # a file the user brings (UltraChat) is checked when prepare runs
+                kinds.add(parse_source_spec(spec).kind)
+    assert {"sharegpt", "chitchat", "stdlib-code"} <= kinds
