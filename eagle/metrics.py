@@ -252,7 +252,8 @@ def print_breakdown_table(name: str, parts: dict[str, Any], console: Any) -> Non
             ("tau chain", "chain_acceptance_length_mean", ".2f", ""), ("speedup", "speedup", ".2f", "x"),
             ("PLD speedup", "prompt_lookup_speedup", ".2f", "x"))
     for label, key, spec, suffix in rows:
-        table.add_row(label, *(_fmt(s.get(key), spec, suffix) for s in columns.values()))
+        if any(s.get(key) is not None for s in columns.values()):  # a method that did not run gets no row
+            table.add_row(label, *(_fmt(s.get(key), spec, suffix) for s in columns.values()))
     console.print(table)
 
 

@@ -8,7 +8,8 @@ first message the record's ``tools`` (function definitions, passed to the chat t
 list, a single JSON object, or JSONL (optionally gzipped). Used by training sources and evaluation prompt sets alike.
 
 Thinking that opens an assistant's content (``<think>...</think>``) is split into ``reasoning_content``, so that
-every chat template gets it the one way templates read it. Tool-call arguments given as a JSON string (OpenAI's wire format) become a dict.
+every chat template gets it the one way templates read it. Tool-call arguments given as a JSON string (OpenAI's
+wire format) become a dict.
 """
 
 from __future__ import annotations

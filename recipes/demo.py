@@ -93,7 +93,7 @@ def _scaled(value: int, factor: float, floor: int) -> int:
 def _scaled_source(spec: str, factor: float) -> str:
     """``chitchat:900`` -> ``chitchat:2700`` at factor 3; other specs (files, hub data, uncounted) as they are.
     A count past what a source holds just takes all of it."""
-    if spec.strip().partition(":")[0] not in ("chitchat", "stdlib-code"):
+    if spec.strip().partition(":")[0] not in ("chitchat", "stdlib-code", "sharegpt"):
         return spec  # not parsed here: a file's existence is prepare's to check
     parsed = parse_source_spec(spec)
     return f"{parsed.kind}:{int(parsed.limit * factor)}" if parsed.limit else spec

@@ -99,3 +99,10 @@ def test_every_shipped_config_names_sources_that_parse():
             if not spec.endswith(".jsonl"):  # a file the user brings (UltraChat) is checked when prepare runs
                 kinds.add(parse_source_spec(spec).kind)
     assert {"sharegpt", "chitchat", "stdlib-code"} <= kinds
+
+
+def test_the_demo_scales_its_sharegpt_share_with_its_budget():
+    from recipes.demo import _scaled_source
+
+    assert _scaled_source("sharegpt:600", 3.0) == "sharegpt:1800"
+    assert _scaled_source("sharegpt", 3.0) == "sharegpt"  # uncounted: all of it already
