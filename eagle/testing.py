@@ -221,3 +221,18 @@ def check_greedy_report_section(section: dict, num_prompts: int) -> None:
     assert section["num_prompts"] == num_prompts
     assert section["greedy_match_rate"] == 1.0
     assert section["prompt_lookup_match_rate"] == 1.0
+
+
+def masked_runs(tokenizer, ids, mask) -> list[str]:
+    """The text of each run of consecutive loss-masked tokens (special tokens kept): what a loss mask trains on,
+    readable in a test's assertion."""
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tokenizer.decode(r, skip_special_tokens=False) for r in runs]

@@ -15,6 +15,7 @@ from eagle import prompts as PR
 from eagle import records as REC
 from eagle.devices import model_dtype
 from eagle.errors import EagleError
+from eagle.testing import masked_runs
 from train import chat_template as CT
 from train import prepare as P
 from train import regenerate as R
@@ -44,19 +45,6 @@ def _with_template(tok, template, extra_special=()):
     return t
 
 
-def _masked_runs(tok, ids, mask):
-    runs, cur = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    return [tok.decode(r, skip_special_tokens=False) for r in runs]
-
-
 # tricky on purpose: an answer that repeats the user's words, one that quotes the default system prompt, an
 # emoji (several byte tokens for one character), a trailing newline, and an empty answer
 CONVERSATION = [
@@ -82,7 +70,7 @@ def test_loss_mask_is_exactly_assistant_content_plus_end_of_turn(tok, style):
     assert len(ids) == len(mask) and set(mask) == {0, 1}
     answers = [m["content"] for m in CONVERSATION if m["role"] == "assistant"]
     expected = [(a.strip() if trim else a) + eot for a in answers]
-    assert _masked_runs(t, ids, mask) == expected
+    assert masked_runs(t, ids, mask) == expected
     # the ids are the template's own tokenization of the whole rendered text
     rendered = t.apply_chat_template(CONVERSATION, tokenize=False)
     assert ids == t(rendered, add_special_tokens=False)["input_ids"]
@@ -98,7 +86,7 @@ def test_loss_mask_with_explicit_system_and_consecutive_assistants(tok):
         {"role": "assistant", "content": "Be brief."},
     ]
     ids, mask = tokenize_conversation(t, conv)
-    assert _masked_runs(t, ids, mask) == ["Hello.<|im_end|>", "Be brief.<|im_end|>"]
+    assert masked_runs(t, ids, mask) == ["Hello.<|im_end|>", "Be brief.<|im_end|>"]
     # header tokens ("<|im_start|>assistant\n") are never trained on
     start = t.convert_tokens_to_ids("<|im_start|>")
     assert all(m == 0 for i, m in zip(ids, mask) if i == start)
@@ -397,7 +385,7 @@ def test_prepare_writes_datasets_meta_and_deterministic_split(tmp_path, tok):
     assert train.column_names == ["input_ids", "loss_mask"] and len(train) == 30
     row = train[0]
     idx = int(ids_a["train"][0].rsplit(":", 1)[1])
-    assert _masked_runs(tok, row["input_ids"], row["loss_mask"]) == [f"answer {idx}<|im_end|>"]
+    assert masked_runs(tok, row["input_ids"], row["loss_mask"]) == [f"answer {idx}<|im_end|>"]
     meta = json.loads((tmp_path / "a" / "prepare_meta.json").read_text())
     assert meta["counts"] == {"train": 30, "val": 10} and meta["sources"][src]["kept"] == 40
     assert meta["assistant_tokens"]["train"] == sum(sum(r) for r in train["loss_mask"])

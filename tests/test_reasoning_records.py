@@ -15,6 +15,7 @@ import torch
 
 from eagle.errors import EagleError
 from eagle.records import chat_file_items, parse_record, split_thinking
+from eagle.testing import masked_runs
 from train import chat_template as CT
 from train import regenerate as R
 from train import sources as S
@@ -158,19 +159,6 @@ def gpt_oss(tok):
                       special=("<|start|>", "<|end|>", "<|message|>", "<|channel|>", "<|call|>", "<|return|>"))
 
 
-def _masked_runs(tok, ids, mask) -> list[str]:
-    runs, cur = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    return [tok.decode(r, skip_special_tokens=False) for r in runs]
-
-
 def _write_jsonl(path: Path, records) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
@@ -289,14 +277,14 @@ def test_mask_is_what_each_assistant_turn_writes_as_qwen3_renders_it(qwen3):
     # the template drops the thinking of the turns before the last user message: not in the text, not in the
     # mask, and no error; the tool result and the tool definitions are never trained on
     assert "Need the tool." not in text and "It is warm." not in text
-    assert _masked_runs(qwen3, ids, mask) == [
+    assert masked_runs(qwen3, ids, mask) == [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
         "It is 22C in Paris.<|im_end|>",
         "<think>\nBe polite.\n</think>\n\nYou're welcome.<|im_end|>",
     ]
     # a multi-step tool chain after one question: every step's thinking is rendered, and trained
     ids, mask = tokenize_conversation(qwen3, messages[:5])
-    assert _masked_runs(qwen3, ids, mask) == [
+    assert masked_runs(qwen3, ids, mask) == [
         '<think>\nNeed the tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
         "\n</tool_call><|im_end|>",
         "<think>\nIt is warm.\n</think>\n\nIt is 22C in Paris.<|im_end|>",
@@ -307,14 +295,14 @@ def test_mask_is_what_each_assistant_turn_writes_as_qwen3_renders_it(qwen3):
     ids, mask = tokenize_conversation(qwen3, both)
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     # (the empty block the template puts before the last turn's content is no thinking of the target's)
-    assert _masked_runs(qwen3, ids, mask) == [f"Checking.\n{call}\n{call}<|im_end|>"]
+    assert masked_runs(qwen3, ids, mask) == [f"Checking.\n{call}\n{call}<|im_end|>"]
 
 
 def test_mask_under_a_gpt_oss_like_template(gpt_oss):
     messages = parse_record(OPENAI, "openai")
     ids, mask = tokenize_conversation(gpt_oss, messages[:5])
     # what the target writes after the generation prompt "<|start|>assistant", its own stop token included
-    assert _masked_runs(gpt_oss, ids, mask) == [
+    assert masked_runs(gpt_oss, ids, mask) == [
         "<|channel|>analysis<|message|>Need the tool.<|end|><|start|>assistant to=functions.get_weather<|channel|>"
         'commentary json<|message|>{"city": "Paris"}<|call|>',
         "<|channel|>analysis<|message|>It is warm.<|end|><|start|>assistant<|channel|>final<|message|>"
@@ -325,12 +313,12 @@ def test_mask_under_a_gpt_oss_like_template(gpt_oss):
 def test_thinking_drop_and_enable_thinking_reach_the_mask(qwen3):
     messages = parse_record(OPENAI, "openai")[:5]
     ids, mask = tokenize_conversation(qwen3, drop_thinking(messages))
-    runs = _masked_runs(qwen3, ids, mask)
+    runs = masked_runs(qwen3, ids, mask)
     assert runs[1] == "It is 22C in Paris.<|im_end|>" and not any("<think>" in r for r in runs)
     off = {"enable_thinking": False}
     assert render(qwen3, messages, template_kwargs=off) != render(qwen3, messages)
     ids, mask = tokenize_conversation(qwen3, messages, template_kwargs=off)
-    runs = _masked_runs(qwen3, ids, mask)
+    runs = masked_runs(qwen3, ids, mask)
     assert runs[1] == "It is 22C in Paris.<|im_end|>" and not any("think" in r for r in runs)
     assert render(qwen3, messages[:2], add_generation_prompt=True, template_kwargs=off).endswith(
         "<|im_start|>assistant\n<think>\n\n</think>\n\n")
@@ -341,13 +329,13 @@ def test_a_cut_answer_trains_what_was_written_and_no_end_of_turn(qwen3):
     thinking = R.answer_message("<think>\nLight scatters and", True, "w")  # cut while thinking
     ids, mask = tokenize_conversation(qwen3, prompt + [thinking])
     # the template closes the block and the turn, the target never did: neither is trained
-    assert _masked_runs(qwen3, ids, mask) == ["<think>\nLight scatters and"]
+    assert masked_runs(qwen3, ids, mask) == ["<think>\nLight scatters and"]
     answering = R.answer_message("<think>\nShort.\n</think>\n\nBecause of Rayleigh", True, "w")
     ids, mask = tokenize_conversation(qwen3, prompt + [answering])
-    assert _masked_runs(qwen3, ids, mask) == ["<think>\nShort.\n</think>\n\nBecause of Rayleigh"]
+    assert masked_runs(qwen3, ids, mask) == ["<think>\nShort.\n</think>\n\nBecause of Rayleigh"]
     finished = R.answer_message("<think>\nShort.\n</think>\n\nBecause of Rayleigh.", False, "w")
     ids, mask = tokenize_conversation(qwen3, prompt + [finished])
-    assert _masked_runs(qwen3, ids, mask) == ["<think>\nShort.\n</think>\n\nBecause of Rayleigh.<|im_end|>"]
+    assert masked_runs(qwen3, ids, mask) == ["<think>\nShort.\n</think>\n\nBecause of Rayleigh.<|im_end|>"]
 
 
 def test_prepare_keeps_or_drops_thinking_with_the_configs_template_arguments(tmp_path, qwen3):
@@ -359,7 +347,7 @@ def test_prepare_keeps_or_drops_thinking_with_the_configs_template_arguments(tmp
         cfg = DataConfig(sources=[src], val_fraction=0.0, output_dir=str(tmp_path / name), **settings)
         summary = prepare(cfg, "qwen3-like", tokenizer=qwen3)
         rows = load_from_disk(str(tmp_path / name / "train"))
-        return summary, [r for row in rows for r in _masked_runs(qwen3, row["input_ids"], row["loss_mask"])]
+        return summary, [r for row in rows for r in masked_runs(qwen3, row["input_ids"], row["loss_mask"])]
 
     keep, keep_runs = masked("keep")
     assert keep["cut_answers"] == {"count": 0, "policy": "keep"}
